@@ -116,6 +116,187 @@ except ImportError:  # the torch backend still works without triton
 
 verify_triton = None  # defined below when triton is importable
 
+if triton is not None:
+
+    @triton.jit
+    def _argmax_over_v(row_ptrs, stride_v, noise_rows, stride_nv, row_mask,
+                       V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, DIVIDE: tl.constexpr):
+        """Per row: argmax over v < V of row[v] (or row[v] / noise[v] when DIVIDE), first index on ties."""
+        offs_v = tl.arange(0, BLOCK_V)
+        best = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)  # per lane: best score so far
+        best_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)  # and the index that holds it
+        for v0 in range(0, V, BLOCK_V):
+            v = v0 + offs_v
+            m = row_mask[:, None] & (v < V)[None, :]
+            score = tl.load(row_ptrs[:, None] + v[None, :] * stride_v, mask=m, other=0.0)
+            if DIVIDE:
+                e = tl.load(noise_rows[:, None] + v[None, :] * stride_nv, mask=m, other=1.0)
+                score = tl.math.div_rn(score, e)  # rounds like torch's fp32 division
+            score = tl.where(m, score, float("-inf"))
+            better = score > best  # strict: within a lane the earlier block wins ties
+            best = tl.where(better, score, best)
+            best_idx = tl.where(better, v[None, :], best_idx)
+        top = tl.max(best, axis=1)
+        return tl.min(tl.where(best == top[:, None], best_idx, 2147483647), axis=1)  # lowest index among ties
+
+    @triton.jit
+    def _verify_kernel(
+        draft_tokens_ptr, draft_probs_ptr, target_probs_ptr, uniform_ptr, noise_ptr,
+        num_accepted_ptr, tokens_ptr,
+        stride_db, stride_dk,
+        stride_qb, stride_qk, stride_qv,
+        stride_pb, stride_pk, stride_pv,
+        stride_ub, stride_uk,
+        stride_nb, stride_nv,
+        stride_tb, stride_tk,
+        B, K, V: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        HAS_Q: tl.constexpr, GREEDY: tl.constexpr,
+    ):
+        """BLOCK_B rows per program: accept test over K positions, first rejection, residual/bonus draw.
+
+        V is a constexpr: one compile per vocabulary size, which is fixed per model pair. (It also keeps the
+        V loop's bound a Python int under TRITON_INTERPRET=1, whose scalar handling breaks on numpy >= 2.4,
+        triton-lang/triton#9171.)
+        """
+        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B]
+        in_b = rows < B
+        rows = rows.to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)  # BLOCK_K >= K + 1
+        in_bk = in_b[:, None] & (offs_k < K)[None, :]  # [BLOCK_B, BLOCK_K]
+        x = tl.load(draft_tokens_ptr + rows[:, None] * stride_db + offs_k[None, :] * stride_dk, mask=in_bk, other=0)
+        p_rows = target_probs_ptr + rows * stride_pb
+        noise_rows = noise_ptr + rows * stride_nb
+
+        if GREEDY:
+            # accept while draft == argmax p; each row stops at its first mismatch (or at the bonus position)
+            n = tl.zeros((BLOCK_B,), tl.int32)
+            final = tl.zeros((BLOCK_B,), tl.int32)
+            active = in_b
+            searching = tl.max(active.to(tl.int32), axis=0) > 0
+            while searching:
+                best = _argmax_over_v(p_rows + n * stride_pk, stride_pv, noise_rows, stride_nv, active,
+                                      V, BLOCK_B, BLOCK_V, False)
+                x_n = tl.load(draft_tokens_ptr + rows * stride_db + n * stride_dk, mask=active & (n < K), other=-1)
+                match = active & (n < K) & (best == x_n)
+                final = tl.where(active, best, final)
+                n = tl.where(match, n + 1, n)
+                active = match
+                searching = tl.max(active.to(tl.int32), axis=0) > 0
+        else:
+            # accept test, vectorised over the K positions: u * q(x) < p(x)
+            in_vocab = in_bk & (x >= 0) & (x < V)  # memory safety only: drafts must lie in [0, V)
+            p_x = tl.load(p_rows[:, None] + offs_k[None, :] * stride_pk + x * stride_pv, mask=in_vocab, other=0.0)
+            if HAS_Q:
+                q_x = tl.load(draft_probs_ptr + rows[:, None] * stride_qb + offs_k[None, :] * stride_qk
+                              + x * stride_qv, mask=in_vocab, other=0.0)
+            else:
+                q_x = tl.full((BLOCK_B, BLOCK_K), 1.0, tl.float32)  # deterministic drafter: q one-hot at x
+            u = tl.load(uniform_ptr + rows[:, None] * stride_ub + offs_k[None, :] * stride_uk, mask=in_bk, other=0.0)
+            rejected = in_bk & ~(u * q_x < p_x)
+            n = tl.min(tl.where(rejected, offs_k[None, :], K), axis=1)  # first rejection; K after a full accept
+
+            # residual max(0, p_n - q_n) raced against the noise; q_n = 0 at the bonus position n == K
+            has_draft = in_b & (n < K)
+            x_n = tl.load(draft_tokens_ptr + rows * stride_db + n * stride_dk, mask=has_draft, other=-1)
+            p_n = p_rows + n * stride_pk
+            q_n = draft_probs_ptr + rows * stride_qb + n * stride_qk
+            offs_v = tl.arange(0, BLOCK_V)
+            best = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
+            best_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)
+            mass = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)  # per-lane max of the residual
+            for v0 in range(0, V, BLOCK_V):
+                v = v0 + offs_v
+                m = in_b[:, None] & (v < V)[None, :]
+                p = tl.load(p_n[:, None] + v[None, :] * stride_pv, mask=m, other=0.0)
+                if HAS_Q:
+                    q = tl.load(q_n[:, None] + v[None, :] * stride_qv, mask=m & has_draft[:, None], other=0.0)
+                else:
+                    q = tl.where(v[None, :] == x_n[:, None], 1.0, 0.0)
+                e = tl.load(noise_rows[:, None] + v[None, :] * stride_nv, mask=m, other=1.0)
+                w = tl.maximum(p - q, 0.0)
+                mass = tl.maximum(mass, w)
+                score = tl.where(m, tl.math.div_rn(w, e), float("-inf"))
+                better = score > best
+                best = tl.where(better, score, best)
+                best_idx = tl.where(better, v[None, :], best_idx)
+            top = tl.max(best, axis=1)
+            final = tl.min(tl.where(best == top[:, None], best_idx, 2147483647), axis=1)
+            empty = in_b & (tl.max(mass, axis=1) <= 0.0)  # p == q: the residual is empty; fall back to p_n
+            if tl.max(empty.to(tl.int32), axis=0) > 0:
+                fallback = _argmax_over_v(p_n, stride_pv, noise_rows, stride_nv, empty, V, BLOCK_B, BLOCK_V, True)
+                final = tl.where(empty, fallback, final)
+
+        tl.store(num_accepted_ptr + rows, n.to(tl.int64), mask=in_b)
+        pos = offs_k[None, :]
+        tokens = tl.where(pos < n[:, None], x, tl.where(pos == n[:, None], final[:, None].to(tl.int64), -1))
+        tl.store(tokens_ptr + rows[:, None] * stride_tb + pos * stride_tk, tokens, mask=in_b[:, None] & (pos < K + 1))
+
+    def _launch_config(B: int, V: int, device: torch.device) -> tuple[int, int, int]:
+        """(BLOCK_B, BLOCK_V, num_warps). On CUDA one program per row, with wide V blocks to keep loads in flight;
+        the interpreter runs programs one after another in Python, so there each program takes many rows."""
+        if device.type == "cuda":
+            return 1, min(triton.next_power_of_2(V), 4096), 8
+        block_v = min(triton.next_power_of_2(V), 8192)
+        return min(triton.next_power_of_2(B), max(1, 2**18 // block_v)), block_v, 1
+
+    def _verify_triton_launch(draft_tokens, draft_probs, target_probs, uniform, noise, greedy,
+                              block_b: int, block_v: int, num_warps: int) -> VerifyResult:
+        """Allocate the outputs and launch once; inputs are checked and randoms drawn by the caller."""
+        B, K, V = draft_tokens.shape[0], draft_tokens.shape[1], target_probs.shape[2]
+        num_accepted = torch.empty((B,), dtype=torch.int64, device=target_probs.device)
+        tokens = torch.empty((B, K + 1), dtype=torch.int64, device=target_probs.device)
+        if B == 0:
+            return VerifyResult(num_accepted=num_accepted, tokens=tokens)
+
+        # the kernel never reads an argument it does not need (greedy: randoms; K == 0: drafts);
+        # it gets a one-element stand-in of the right dtype rather than an empty or absent tensor
+        def stand_in(t, dtype, dims):
+            if t is not None and t.numel() > 0:
+                return t, t.stride()
+            return target_probs.new_empty((1,), dtype=dtype), (0,) * dims
+
+        d, d_strides = stand_in(draft_tokens, torch.int64, 2)
+        q, q_strides = stand_in(draft_probs, torch.float32, 3)
+        u, u_strides = stand_in(uniform, torch.float32, 2)
+        e, e_strides = stand_in(noise, torch.float32, 2)
+        _verify_kernel[(triton.cdiv(B, block_b),)](
+            d, q, target_probs, u, e, num_accepted, tokens,
+            *d_strides, *q_strides, *target_probs.stride(), *u_strides, *e_strides, *tokens.stride(),
+            B, K, V,
+            BLOCK_B=block_b, BLOCK_K=triton.next_power_of_2(K + 1), BLOCK_V=block_v,
+            HAS_Q=draft_probs is not None, GREEDY=greedy,
+            num_warps=num_warps,
+        )
+        return VerifyResult(num_accepted=num_accepted, tokens=tokens)
+
+    def verify_triton(
+        draft_tokens: torch.Tensor,  # [B, K] int64
+        draft_probs: torch.Tensor | None,  # [B, K, V] float32, None when the drafter is deterministic (q one-hot)
+        target_probs: torch.Tensor,  # [B, K+1, V] float32
+        *,
+        uniform: torch.Tensor | None = None,  # [B, K]
+        noise: torch.Tensor | None = None,  # [B, V]
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+    ) -> VerifyResult:
+        """The reference in one kernel launch, with no host synchronisation: same randoms, same tokens."""
+        B, K, V = _check_inputs(draft_tokens, draft_probs, target_probs, uniform, noise)
+        if draft_tokens.dtype != torch.int64:
+            raise ValueError(f"draft_tokens must be int64 for the triton backend, got {draft_tokens.dtype}")
+        for name, t in (("draft_probs", draft_probs), ("target_probs", target_probs), ("uniform", uniform), ("noise", noise)):
+            if t is not None and t.dtype != torch.float32:
+                raise ValueError(f"{name} must be float32 for the triton backend, got {t.dtype}")
+        if greedy:
+            uniform = noise = None  # not read
+        elif uniform is None or noise is None:
+            u, e = draw_randoms(B, K, V, target_probs.device, generator)  # the reference's draws, in its order
+            uniform = u if uniform is None else uniform
+            noise = e if noise is None else noise
+        block_b, block_v, num_warps = _launch_config(B, V, target_probs.device)
+        return _verify_triton_launch(draft_tokens, draft_probs, target_probs, uniform, noise, greedy,
+                                     block_b, block_v, num_warps)
+
 
 # ----------------------------------------------------------------------------------------------------
 # Backend switch

@@ -1,0 +1,438 @@
+"""Tests for kernels/verify.py: the Triton kernel against the reference bit for bit (same explicit randoms),
+edge cases checked against the reference and against the math, the law of the emitted tokens, and the backend
+switch. On a machine without CUDA the kernel runs in Triton's interpreter (see conftest.py)."""
+import importlib
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.verify import draw_randoms, resolve_backend, triton_available, verify, verify_torch, verify_triton
+
+ON_CUDA = torch.cuda.is_available()
+REPO = Path(__file__).resolve().parents[2]
+BACKEND_FNS = {"torch": verify_torch, "triton": verify_triton}
+kv = importlib.import_module("kernels.verify")  # the module (kernels.verify, the attribute, is the function)
+
+
+def seed_of(*parts) -> int:
+    """A seed that depends only on the test case (str hashing is salted per process; crc32 is not)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def assert_same(ref: kv.VerifyResult, out: kv.VerifyResult, what: str):
+    """Identical num_accepted and tokens; the message reports the largest differences."""
+    assert out.tokens.shape == ref.tokens.shape, f"{what}: tokens shape {tuple(out.tokens.shape)} != {tuple(ref.tokens.shape)}"
+    assert out.tokens.dtype == out.num_accepted.dtype == torch.int64, f"{what}: outputs must be int64"
+    d_acc = (ref.num_accepted - out.num_accepted).abs().max().item() if ref.num_accepted.numel() else 0
+    d_tok = (ref.tokens - out.tokens).abs().max().item() if ref.tokens.numel() else 0
+    n_tok = (ref.tokens != out.tokens).sum().item()
+    assert d_acc == 0 and d_tok == 0, (f"{what}: max |num_accepted diff| = {d_acc}, max |token diff| = {d_tok}, "
+                                       f"{n_tok} of {ref.tokens.numel()} tokens differ")
+
+
+def make_case(B, K, V, *, drafter, seed, device, scale=5.0, guess=0.7):
+    """Fresh peaky p and q (softmax of randn * scale, p a perturbation of q), drafts that are argmax p with
+    probability `guess` and otherwise sampled from q (so accepts, rejects and full accepts all occur), and
+    explicit randoms. Everything is drawn on the CPU from one seed, so the case is the same on every device."""
+    g = torch.Generator().manual_seed(seed)
+    q_logits = torch.randn(B, K, V, generator=g) * scale
+    p_logits = torch.cat([q_logits + torch.randn(B, K, V, generator=g), torch.randn(B, 1, V, generator=g) * scale], dim=1)
+    p = torch.softmax(p_logits, dim=-1)  # [B, K+1, V]
+    q = torch.softmax(q_logits, dim=-1)  # [B, K, V]
+    if K:
+        sampled = torch.multinomial(q.reshape(B * K, V), 1, generator=g).reshape(B, K)
+    else:
+        sampled = torch.empty((B, 0), dtype=torch.int64)
+    draft = torch.where(torch.rand(B, K, generator=g) < guess, p[:, :K].argmax(dim=-1), sampled)
+    uniform, noise = draw_randoms(B, K, V, "cpu", g)
+    return {
+        "draft_tokens": draft.to(device),
+        "draft_probs": q.to(device) if drafter == "model" else None,
+        "target_probs": p.to(device),
+        "uniform": uniform.to(device),
+        "noise": noise.to(device),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Parity: same randoms, identical outputs
+
+GRID = [(B, K, V, drafter, greedy) for V in (1000, 32003, 49152) for B in (1, 3, 8) for K in (1, 4, 8)
+        for drafter in ("model", "deterministic") for greedy in (False, True)]
+
+
+@pytest.mark.parametrize("B,K,V,drafter,greedy", GRID)
+def test_parity_with_reference(B, K, V, drafter, greedy, device):
+    case = make_case(B, K, V, drafter=drafter, seed=seed_of(B, K, V, drafter, greedy), device=device)
+    ref = verify_torch(**case, greedy=greedy)
+    out = verify_triton(**case, greedy=greedy)
+    assert_same(ref, out, f"B={B} K={K} V={V} {drafter} {'greedy' if greedy else 'sampled'}")
+
+
+@pytest.mark.parametrize("drafter", ["model", "deterministic"])
+@pytest.mark.parametrize("greedy", [False, True])
+def test_parity_cases_mix_accepts_and_rejects(drafter, greedy, device):
+    """The parity inputs are not trivial: rows stop at 0, in the middle and after a full accept."""
+    K = 4
+    case = make_case(64, K, 1000, drafter=drafter, seed=seed_of("mix", drafter, greedy), device=device)
+    n = verify_torch(**case, greedy=greedy).num_accepted
+    counts = torch.bincount(n, minlength=K + 1).tolist()
+    assert counts[0] > 0 and sum(counts[1:K]) > 0 and counts[K] > 0, f"accepted-count histogram {counts}"
+    assert_same(verify_torch(**case, greedy=greedy), verify_triton(**case, greedy=greedy), f"mix {drafter} greedy={greedy}")
+
+
+@pytest.mark.parametrize("drafter", ["model", "deterministic"])
+def test_parity_when_randoms_come_from_a_generator(drafter, device):
+    """Both backends draw the same randoms in the same order from the same generator state."""
+    case = make_case(8, 4, 1000, drafter=drafter, seed=seed_of("gen", drafter), device=device)
+    uniform = case.pop("uniform")
+    case.pop("noise")
+    ref = verify_torch(**case, generator=torch.Generator(device).manual_seed(11))
+    out = verify_triton(**case, generator=torch.Generator(device).manual_seed(11))
+    assert_same(ref, out, f"generator draws, {drafter}")
+    ref = verify_torch(**case, uniform=uniform, generator=torch.Generator(device).manual_seed(12))
+    out = verify_triton(**case, uniform=uniform, generator=torch.Generator(device).manual_seed(12))
+    assert_same(ref, out, f"given uniform, generator noise, {drafter}")
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_parity_on_strided_inputs(greedy, device):
+    """Views with padding (NaN, so reading it would show) and transposed storage go through the strides."""
+    B, K, V = 4, 4, 1000
+    case = make_case(B, K, V, drafter="model", seed=seed_of("strided", greedy), device=device)
+
+    def padded_view(t):  # same values, last-dim view into a wider NaN-filled buffer
+        wide = torch.full((*t.shape[:-1], t.shape[-1] + 24), float("nan"), dtype=t.dtype, device=device)
+        wide[..., 3:3 + t.shape[-1]] = t
+        return wide[..., 3:3 + t.shape[-1]]
+
+    def transposed_storage(t):  # same values, column-major [B, K]
+        return t.t().contiguous().t()
+
+    strided = {
+        "draft_tokens": transposed_storage(case["draft_tokens"]),
+        "draft_probs": padded_view(case["draft_probs"]),
+        "target_probs": padded_view(case["target_probs"]),
+        "uniform": transposed_storage(case["uniform"]),
+        "noise": padded_view(case["noise"]),
+    }
+    assert not strided["target_probs"].is_contiguous() and not strided["draft_tokens"].is_contiguous()
+    assert_same(verify_torch(**case, greedy=greedy), verify_triton(**strided, greedy=greedy), "strided inputs")
+
+
+@pytest.mark.parametrize("block_b,block_v", [(1, 256), (4, 128), (2, 1024)])
+@pytest.mark.parametrize("drafter", ["model", "deterministic"])
+@pytest.mark.parametrize("greedy", [False, True])
+def test_parity_across_tile_shapes(block_b, block_v, drafter, greedy, device):
+    """One row per program (the CUDA layout) and several rows per program, with a partial last V block."""
+    B, K, V = 5, 4, 1000
+    case = make_case(B, K, V, drafter=drafter, seed=seed_of("tiles", block_b, block_v, drafter, greedy), device=device)
+    ref = verify_torch(**case, greedy=greedy)
+    out = kv._verify_triton_launch(case["draft_tokens"], case["draft_probs"], case["target_probs"], case["uniform"],
+                                   case["noise"], greedy, block_b, block_v, 4)
+    assert_same(ref, out, f"BLOCK_B={block_b} BLOCK_V={block_v} {drafter} greedy={greedy}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Edge cases: against the reference and against what the math demands
+
+
+def run_both(what, **kwargs):
+    """Both backends on the same inputs; asserts they agree and returns the result."""
+    ref = verify_torch(**kwargs)
+    assert_same(ref, verify_triton(**kwargs), what)
+    return ref
+
+
+def test_zero_draft_probability_accepts_whenever_the_target_has_mass(device):
+    """q(x) = 0 < p(x): the ratio p/q is infinite, so x is accepted even with a uniform draw just below 1;
+    where p(x) = 0 too the test 0 < 0 fails and the row stops there."""
+    B, K, V = 4, 4, 1000
+    case = make_case(B, K, V, drafter="model", seed=seed_of("q0"), device=device)
+    x, p, q, noise = case["draft_tokens"], case["target_probs"].clone(), case["draft_probs"].clone(), case["noise"]
+    q.scatter_(-1, x.unsqueeze(-1), 0.0)
+    q = q / q.sum(dim=-1, keepdim=True)  # q(x) = 0 at every draft token
+    p[1, 2, x[1, 2]] = 0.0
+    p[1, 2] = p[1, 2] / p[1, 2].sum()  # row 1, position 2: p(x) = 0 as well
+    uniform = torch.full((B, K), 0.999999, device=device)
+    out = run_both("q(x) = 0", draft_tokens=x, draft_probs=q, target_probs=p, uniform=uniform, noise=noise)
+    assert out.num_accepted.tolist() == [K, 2, K, K]
+    # row 1 resamples at position 2 from max(0, p - q): the exponential race over the residual
+    residual = (p[1, 2] - q[1, 2]).clamp_min(0.0)
+    expected = (residual / noise[1]).argmax().item()
+    assert out.tokens[1].tolist() == [x[1, 0].item(), x[1, 1].item(), expected, -1, -1]
+    assert p[1, 2, expected] > q[1, 2, expected]
+    # the other rows emit the bonus token from p_K
+    bonus = (p[:, K] / noise).argmax(dim=-1)
+    assert torch.equal(out.tokens[[0, 2, 3], K], bonus[[0, 2, 3]])
+
+
+def test_equal_p_and_q_accepts_everything_and_falls_back_to_p_when_the_residual_is_empty(device):
+    """p == q exactly: every draft with q(x) > 0 is accepted (u < 1); a draft outside the support (p = q = 0)
+    is rejected, the residual max(0, p - q) is all zeros, and the emitted token is drawn from p instead."""
+    B, K, V = 4, 4, 1000
+    g = torch.Generator().manual_seed(seed_of("p==q"))
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 5, dim=-1)
+    p = p * (torch.rand(B, K + 1, V, generator=g) < 0.5)  # half the vocabulary has no mass
+    p = (p / p.sum(dim=-1, keepdim=True)).to(device)
+    q = p[:, :K].clone()
+    x = torch.multinomial(q.reshape(B * K, V).cpu(), 1, generator=g).reshape(B, K).to(device)
+    uniform, noise = draw_randoms(B, K, V, device, torch.Generator(device).manual_seed(3))
+    uniform[:, 1] = 0.999999
+    out = run_both("p == q", draft_tokens=x, draft_probs=q, target_probs=p, uniform=uniform, noise=noise)
+    assert out.num_accepted.tolist() == [K] * B
+    assert torch.equal(out.tokens[:, :K], x)
+    assert torch.equal(out.tokens[:, K], (p[:, K] / noise).argmax(dim=-1))
+
+    outside = (p[0, 0] == 0).nonzero()[0].item()
+    x[0, 0] = outside
+    out = run_both("p == q, empty residual", draft_tokens=x, draft_probs=q, target_probs=p, uniform=uniform, noise=noise)
+    assert out.num_accepted[0].item() == 0
+    fallback = (p[0, 0] / noise[0]).argmax().item()
+    assert out.tokens[0].tolist() == [fallback] + [-1] * K
+    assert p[0, 0, fallback] > 0
+
+
+def test_deterministic_drafter_is_always_accepted_where_the_target_agrees(device):
+    """q one-hot at x and p one-hot at x: p(x) = 1 > u for every u in [0, 1)."""
+    B, K, V = 3, 5, 1000
+    g = torch.Generator().manual_seed(seed_of("onehot"))
+    x = torch.randint(0, V, (B, K), generator=g).to(device)
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 5, dim=-1).to(device)
+    p[:, :K] = torch.nn.functional.one_hot(x, V).float()
+    uniform = torch.full((B, K), 0.999999, device=device)
+    noise = torch.empty((B, V), device=device).exponential_(generator=torch.Generator(device).manual_seed(4))
+    out = run_both("one-hot agreement", draft_tokens=x, draft_probs=None, target_probs=p, uniform=uniform, noise=noise)
+    assert out.num_accepted.tolist() == [K] * B
+    assert torch.equal(out.tokens[:, K], (p[:, K] / noise).argmax(dim=-1))
+
+
+@pytest.mark.parametrize("drafter", ["model", "deterministic"])
+@pytest.mark.parametrize("greedy", [False, True])
+def test_no_drafts_is_one_bonus_draw(drafter, greedy, device):
+    """K = 0: tokens [B, 1] hold one draw from p_0 (argmax p_0 when greedy)."""
+    B, V = 3, 1000
+    case = make_case(B, 0, V, drafter=drafter, seed=seed_of("K0", drafter, greedy), device=device)
+    out = run_both(f"K = 0 {drafter} greedy={greedy}", **case, greedy=greedy)
+    p0 = case["target_probs"][:, 0]
+    expected = p0.argmax(dim=-1) if greedy else (p0 / case["noise"]).argmax(dim=-1)
+    assert out.num_accepted.tolist() == [0] * B
+    assert torch.equal(out.tokens, expected.unsqueeze(1))
+
+
+@pytest.mark.parametrize("K", [16, 32])
+def test_long_drafts_stop_exactly_where_the_math_says(K, device):
+    """q = p at positions < m accepts for certain; at m, p(x) = 0 < q(x) rejects for certain. Row 2 has m = K."""
+    B, V = 3, 1000
+    stops = [K * 2 // 3, 0, K]
+    case = make_case(B, K, V, drafter="model", seed=seed_of("long", K), device=device)
+    x, p, q, noise = case["draft_tokens"], case["target_probs"].clone(), case["draft_probs"].clone(), case["noise"]
+    q[:] = p[:, :K]
+    for row, m in enumerate(stops):
+        if m < K:
+            p[row, m, x[row, m]] = 0.0
+            p[row, m] = p[row, m] / p[row, m].sum()
+    case.update(draft_probs=q, target_probs=p)
+    out = run_both(f"K = {K}", **case)
+    assert out.num_accepted.tolist() == stops
+    for row, m in enumerate(stops):
+        w = (p[row, m] - q[row, m]).clamp_min(0.0) if m < K else p[row, K]
+        expected = x[row, :m].tolist() + [(w / noise[row]).argmax().item()] + [-1] * (K - m)
+        assert out.tokens[row].tolist() == expected
+    # and a random case at this K in both modes
+    for greedy in (False, True):
+        case = make_case(4, K, V, drafter="model", seed=seed_of("long-random", K, greedy), device=device)
+        run_both(f"K = {K} random greedy={greedy}", **case, greedy=greedy)
+
+
+@pytest.mark.parametrize("V", [7, 1000, 4099])
+def test_vocabulary_tail_is_reached_and_not_overrun(V, device):
+    """All of the bonus mass on the last token (inside a partial block); greedy and sampled emit V - 1."""
+    B, K = 2, 2
+    case = make_case(B, K, V, drafter="model", seed=seed_of("tail", V), device=device)
+    p = case["target_probs"].clone()
+    p[:, :K] = case["draft_probs"]  # accept everything
+    p[:, K] = 0.0
+    p[:, K, V - 1] = 1.0
+    case["target_probs"] = p
+    case["draft_tokens"] = p[:, :K].argmax(dim=-1)  # greedy accepts too
+    for greedy in (False, True):
+        out = run_both(f"tail V={V} greedy={greedy}", **case, greedy=greedy)
+        assert out.num_accepted.tolist() == [K] * B
+        assert out.tokens[:, K].tolist() == [V - 1] * B
+
+
+@pytest.mark.parametrize("tied", [(15000, 3000, 11192), (9000, 5000, 13192)])
+def test_ties_pick_the_lowest_index(tied, device):
+    """Exact ties in argmax go to the lowest index, as torch.argmax does, across lanes and blocks: in the
+    second set the lowest index (5000) sits in a higher lane than 9000 for 4096- and 8192-wide blocks."""
+    B, V = 2, 20000
+    g = torch.Generator().manual_seed(seed_of("ties", tied))
+    p = torch.rand(1, 1, V, generator=g) * 0.5
+    p[..., list(tied)] = 1.0
+    p = (p / p.sum()).expand(B, 1, V).contiguous().to(device)  # K = 0: one draw from p_0
+    lowest = min(tied)
+    none = torch.empty((B, 0), dtype=torch.int64, device=device)
+    greedy = run_both("greedy ties", draft_tokens=none, draft_probs=None, target_probs=p, greedy=True)
+    assert greedy.tokens[:, 0].tolist() == [lowest] * B
+    flat = torch.zeros_like(p)
+    flat[..., list(tied)] = 1.0 / len(tied)
+    noise = torch.ones((B, V), device=device)  # equal scores on the tied tokens
+    sampled = run_both("sampled ties", draft_tokens=none, draft_probs=None, target_probs=flat,
+                       uniform=torch.empty((B, 0), device=device), noise=noise)
+    assert sampled.tokens[:, 0].tolist() == [lowest] * B
+    for block_b, block_v in ((1, 1024), (2, 4096)):
+        out = kv._verify_triton_launch(none, None, flat, None, noise, False, block_b, block_v, 4)
+        assert out.tokens[:, 0].tolist() == [lowest] * B, f"BLOCK_B={block_b} BLOCK_V={block_v}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Distribution: the emitted tokens follow p
+
+N = 30_000
+CRITICAL = 15.086  # chi-squared, 5 degrees of freedom, 1% level
+P0 = [0.30, 0.25, 0.20, 0.10, 0.10, 0.05]
+Q0 = [0.05, 0.10, 0.10, 0.25, 0.20, 0.30]
+P1 = [0.10, 0.35, 0.05, 0.20, 0.15, 0.15]
+Q1 = [0.25, 0.05, 0.30, 0.10, 0.20, 0.10]
+DETERMINISTIC_DRAFTS = [3, 2, 0, 5]  # the deterministic drafter's proposal at positions 0..3
+
+
+def chi_squared(tokens: torch.Tensor, law) -> float:
+    law = torch.tensor(law, dtype=torch.float64)
+    counts = torch.bincount(tokens.cpu(), minlength=len(law)).double()
+    expected = tokens.numel() * law
+    return ((counts - expected) ** 2 / expected).sum().item()
+
+
+def propose(laws, drafter, g, device):
+    """K draft tokens per row, position i from laws[i] (model) or fixed (deterministic); with their q."""
+    K = len(laws)
+    if drafter == "deterministic":
+        return torch.tensor(DETERMINISTIC_DRAFTS[:K], device=device).expand(N, K).contiguous(), None
+    q = torch.tensor(laws, device=device).expand(N, K, 6).contiguous()  # [N, K, 6]
+    x = torch.multinomial(q.reshape(N * K, 6), 1, generator=g).reshape(N, K)
+    return x, q
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("K", [1, 4])
+@pytest.mark.parametrize("drafter", ["model", "deterministic"])
+def test_emitted_tokens_follow_the_target(backend, K, drafter, device):
+    """First emitted token ~ p_0 and second ~ p_1, with p_1 not depending on the first token.
+
+    The second token is tokens[:, 1] where at least one draft was accepted (position 1 then uses u_1, x_1 and the
+    noise, none of which decided the first token). Where nothing was accepted it comes from the next round: a second
+    call whose first position has target p_1 and draft q_1, with fresh randoms, whose first emitted token ~ p_1.
+    """
+    verify_fn = BACKEND_FNS[backend]
+    g = torch.Generator(device).manual_seed(seed_of("law", backend, K, drafter))
+    later = [P0, P1, P0][: max(0, K - 1)]  # targets at positions 2..K; they do not matter for the first two tokens
+    p = torch.tensor([P0, P1] + later, device=device).expand(N, K + 1, 6).contiguous()  # [N, K+1, 6]
+    x, q = propose(([Q0, Q1, Q1, Q0])[:K], drafter, g, device)
+    out = verify_fn(x, q, p, generator=g)
+    first = out.tokens[:, 0]
+    second = out.tokens[:, 1].clone()
+
+    again = (out.num_accepted == 0).nonzero().squeeze(1)  # rows whose second token comes from the next round
+    x2, q2 = propose([Q1], drafter, g, device)
+    p2 = torch.tensor([P1, P0], device=device).expand(N, 2, 6)
+    nxt = verify_fn(x2[again], None if q2 is None else q2[again], p2[again].contiguous(), generator=g)
+    second[again] = nxt.tokens[:, 0]
+
+    assert (second >= 0).all()
+    stats = {"first vs p_0": chi_squared(first, P0), "second vs p_1": chi_squared(second, P1)}
+    assert max(stats.values()) < CRITICAL, f"{backend} K={K} {drafter}: {stats}, critical {CRITICAL}"
+    # the test has power: the draft law is rejected by a wide margin
+    power = {"first vs q_0": chi_squared(first, Q0), "second vs q_1": chi_squared(second, Q1)}
+    assert min(power.values()) > 100 * CRITICAL, f"{backend} K={K} {drafter}: {power}"
+    assert 0 < again.numel() < N, "both branches of the second token are exercised"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backend switch, input checks, import and compilation
+
+
+def test_unknown_backend_names_the_valid_ones(device):
+    case = make_case(2, 2, 100, drafter="model", seed=1, device=device)
+    with pytest.raises(ValueError, match="unknown backend 'cuda'") as info:
+        verify(**case, backend="cuda")
+    for name in ("auto", "torch", "triton"):
+        assert repr(name) in str(info.value)
+
+
+def test_auto_is_torch_on_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert not triton_available("cpu")
+    with pytest.raises(ValueError, match="backend 'triton' needs CUDA"):
+        resolve_backend("triton", "cpu")
+
+
+def test_auto_is_triton_on_cuda_and_the_switch_dispatches(device):
+    if ON_CUDA:
+        assert resolve_backend("auto", device) == "triton"
+    else:
+        assert os.environ.get("TRITON_INTERPRET") == "1" and resolve_backend("triton", "cpu") == "triton"
+    case = make_case(3, 4, 1000, drafter="model", seed=seed_of("switch"), device=device)
+    assert_same(verify_torch(**case), verify(**case, backend="triton"), "verify(backend='triton')")
+    assert_same(verify_torch(**case), verify(**case, backend="torch"), "verify(backend='torch')")
+    assert_same(verify_torch(**case), verify(**case, backend="auto"), "verify(backend='auto')")
+
+
+def test_triton_launcher_rejects_what_it_cannot_match_bit_for_bit(device):
+    case = make_case(2, 2, 100, drafter="model", seed=2, device=device)
+    with pytest.raises(ValueError, match="target_probs must be float32"):
+        verify_triton(**{**case, "target_probs": case["target_probs"].half()})
+    with pytest.raises(ValueError, match="draft_tokens must be int64"):
+        verify_triton(**{**case, "draft_tokens": case["draft_tokens"].int()})
+    with pytest.raises(ValueError, match=r"noise must be \[B, V\]"):
+        verify_triton(**{**case, "noise": case["noise"][:, :50]})
+
+
+def test_module_imports_and_runs_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import importlib, torch\nkv = importlib.import_module('kernels.verify')\n"
+        "assert kv.verify_triton is None and not kv.triton_available('cpu')\n"
+        "p = torch.softmax(torch.randn(2, 3, 50), -1)\n"
+        "out = kv.verify(torch.randint(0, 50, (2, 2)), None, p, backend='auto')\n"
+        "assert out.tokens.shape == (2, 3)\n"
+        "try:\n    kv.resolve_backend('triton', 'cpu')\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_kernel_compiles_for_hopper_with_precise_division():
+    """Ahead-of-time compile (no GPU needed: triton's bundled ptxas) for sm_90, every constexpr branch, and
+    check the PTX divides with div.rn.f32 (rounds like torch), never the approximate div.full/div.approx."""
+    code = r"""
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.verify import _verify_kernel
+i64_ptrs = {"draft_tokens_ptr", "num_accepted_ptr", "tokens_ptr"}
+for has_q in (False, True):
+    for greedy in (False, True):
+        for block_k in (1, 64):
+            consts = {"V": 32003, "BLOCK_B": 1, "BLOCK_K": block_k, "BLOCK_V": 4096, "HAS_Q": has_q, "GREEDY": greedy}
+            sig = {n: "constexpr" if n in consts else ("*i64" if n in i64_ptrs else "*fp32") if n.endswith("_ptr") else "i32"
+                   for n in _verify_kernel.arg_names}
+            k = triton.compile(ASTSource(_verify_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": 8})
+            ptx = k.asm["ptx"]
+            assert len(k.asm["cubin"]) > 0
+            assert not re.search(r"div\.(full|approx)", ptx), "approximate division in the PTX"
+            assert greedy or "div.rn.f32" in ptx, "no precise division in the PTX"
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
