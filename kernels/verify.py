@@ -119,13 +119,13 @@ verify_triton = None  # defined below when triton is importable
 if triton is not None:
 
     @triton.jit
-    def _argmax_over_v(row_ptrs, stride_v, noise_rows, stride_nv, row_mask,
-                       V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, DIVIDE: tl.constexpr):
+    def _argmax_over_v(row_ptrs, stride_v, noise_rows, stride_nv, row_mask, V: tl.constexpr,
+                       BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, DIVIDE: tl.constexpr):
         """Per row: argmax over v < V of row[v] (or row[v] / noise[v] when DIVIDE), first index on ties."""
         offs_v = tl.arange(0, BLOCK_V)
         best = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)  # per lane: best score so far
         best_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)  # and the index that holds it
-        for v0 in range(0, V, BLOCK_V):
+        for v0 in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
             v = v0 + offs_v
             m = row_mask[:, None] & (v < V)[None, :]
             score = tl.load(row_ptrs[:, None] + v[None, :] * stride_v, mask=m, other=0.0)
@@ -150,14 +150,15 @@ if triton is not None:
         stride_nb, stride_nv,
         stride_tb, stride_tk,
         B, K, V: tl.constexpr,
-        BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
         HAS_Q: tl.constexpr, GREEDY: tl.constexpr,
     ):
         """BLOCK_B rows per program: accept test over K positions, first rejection, residual/bonus draw.
 
         V is a constexpr: one compile per vocabulary size, which is fixed per model pair. (It also keeps the
         V loop's bound a Python int under TRITON_INTERPRET=1, whose scalar handling breaks on numpy >= 2.4,
-        triton-lang/triton#9171.)
+        triton-lang/triton#9171.) NUM_STAGES > 1 lets triton prefetch later V blocks (cp.async) while one is
+        being reduced.
         """
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B]
         in_b = rows < B
@@ -176,7 +177,7 @@ if triton is not None:
             searching = tl.max(active.to(tl.int32), axis=0) > 0
             while searching:
                 best = _argmax_over_v(p_rows + n * stride_pk, stride_pv, noise_rows, stride_nv, active,
-                                      V, BLOCK_B, BLOCK_V, False)
+                                      V, BLOCK_B, BLOCK_V, NUM_STAGES, False)
                 x_n = tl.load(draft_tokens_ptr + rows * stride_db + n * stride_dk, mask=active & (n < K), other=-1)
                 match = active & (n < K) & (best == x_n)
                 final = tl.where(active, best, final)
@@ -205,7 +206,7 @@ if triton is not None:
             best = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
             best_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)
             mass = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)  # per-lane max of the residual
-            for v0 in range(0, V, BLOCK_V):
+            for v0 in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
                 v = v0 + offs_v
                 m = in_b[:, None] & (v < V)[None, :]
                 p = tl.load(p_n[:, None] + v[None, :] * stride_pv, mask=m, other=0.0)
@@ -224,7 +225,8 @@ if triton is not None:
             final = tl.min(tl.where(best == top[:, None], best_idx, 2147483647), axis=1)
             empty = in_b & (tl.max(mass, axis=1) <= 0.0)  # p == q: the residual is empty; fall back to p_n
             if tl.max(empty.to(tl.int32), axis=0) > 0:
-                fallback = _argmax_over_v(p_n, stride_pv, noise_rows, stride_nv, empty, V, BLOCK_B, BLOCK_V, True)
+                fallback = _argmax_over_v(p_n, stride_pv, noise_rows, stride_nv, empty, V, BLOCK_B, BLOCK_V,
+                                          NUM_STAGES, True)
                 final = tl.where(empty, fallback, final)
 
         tl.store(num_accepted_ptr + rows, n.to(tl.int64), mask=in_b)
@@ -232,16 +234,17 @@ if triton is not None:
         tokens = tl.where(pos < n[:, None], x, tl.where(pos == n[:, None], final[:, None].to(tl.int64), -1))
         tl.store(tokens_ptr + rows[:, None] * stride_tb + pos * stride_tk, tokens, mask=in_b[:, None] & (pos < K + 1))
 
-    def _launch_config(B: int, V: int, device: torch.device) -> tuple[int, int, int]:
-        """(BLOCK_B, BLOCK_V, num_warps). On CUDA one program per row, with wide V blocks to keep loads in flight;
-        the interpreter runs programs one after another in Python, so there each program takes many rows."""
+    def _launch_config(B: int, V: int, device: torch.device) -> tuple[int, int, int, int]:
+        """(BLOCK_B, BLOCK_V, num_warps, num_stages). On CUDA one program per row, with wide V blocks to keep loads
+        in flight (`python -m benchmarks.kernels --sweep` times the alternatives); the interpreter runs programs
+        one after another in Python, so there each program takes many rows."""
         if device.type == "cuda":
-            return 1, min(triton.next_power_of_2(V), 4096), 8
+            return 1, min(triton.next_power_of_2(V), 4096), 8, 1
         block_v = min(triton.next_power_of_2(V), 8192)
-        return min(triton.next_power_of_2(B), max(1, 2**18 // block_v)), block_v, 1
+        return min(triton.next_power_of_2(B), max(1, 2**18 // block_v)), block_v, 1, 1
 
     def _verify_triton_launch(draft_tokens, draft_probs, target_probs, uniform, noise, greedy,
-                              block_b: int, block_v: int, num_warps: int) -> VerifyResult:
+                              block_b: int, block_v: int, num_warps: int, num_stages: int = 1) -> VerifyResult:
         """Allocate the outputs and launch once; inputs are checked and randoms drawn by the caller."""
         B, K, V = draft_tokens.shape[0], draft_tokens.shape[1], target_probs.shape[2]
         num_accepted = torch.empty((B,), dtype=torch.int64, device=target_probs.device)
@@ -264,7 +267,7 @@ if triton is not None:
             d, q, target_probs, u, e, num_accepted, tokens,
             *d_strides, *q_strides, *target_probs.stride(), *u_strides, *e_strides, *tokens.stride(),
             B, K, V,
-            BLOCK_B=block_b, BLOCK_K=triton.next_power_of_2(K + 1), BLOCK_V=block_v,
+            BLOCK_B=block_b, BLOCK_K=triton.next_power_of_2(K + 1), BLOCK_V=block_v, NUM_STAGES=num_stages,
             HAS_Q=draft_probs is not None, GREEDY=greedy,
             num_warps=num_warps,
         )
@@ -293,9 +296,8 @@ if triton is not None:
             u, e = draw_randoms(B, K, V, target_probs.device, generator)  # the reference's draws, in its order
             uniform = u if uniform is None else uniform
             noise = e if noise is None else noise
-        block_b, block_v, num_warps = _launch_config(B, V, target_probs.device)
         return _verify_triton_launch(draft_tokens, draft_probs, target_probs, uniform, noise, greedy,
-                                     block_b, block_v, num_warps)
+                                     *_launch_config(B, V, target_probs.device))
 
 
 # ----------------------------------------------------------------------------------------------------

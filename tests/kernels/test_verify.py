@@ -125,17 +125,18 @@ def test_parity_on_strided_inputs(greedy, device):
     assert_same(verify_torch(**case, greedy=greedy), verify_triton(**strided, greedy=greedy), "strided inputs")
 
 
-@pytest.mark.parametrize("block_b,block_v", [(1, 256), (4, 128), (2, 1024)])
+@pytest.mark.parametrize("block_b,block_v,num_stages", [(1, 256, 1), (1, 256, 3), (4, 128, 1), (2, 1024, 2)])
 @pytest.mark.parametrize("drafter", ["model", "deterministic"])
 @pytest.mark.parametrize("greedy", [False, True])
-def test_parity_across_tile_shapes(block_b, block_v, drafter, greedy, device):
-    """One row per program (the CUDA layout) and several rows per program, with a partial last V block."""
+def test_parity_across_launch_configurations(block_b, block_v, num_stages, drafter, greedy, device):
+    """One row per program (the CUDA layout) and several rows per program, with a partial last V block, and
+    with the V loop software-pipelined (num_stages > 1: cp.async prefetch on CUDA)."""
     B, K, V = 5, 4, 1000
     case = make_case(B, K, V, drafter=drafter, seed=seed_of("tiles", block_b, block_v, drafter, greedy), device=device)
     ref = verify_torch(**case, greedy=greedy)
     out = kv._verify_triton_launch(case["draft_tokens"], case["draft_probs"], case["target_probs"], case["uniform"],
-                                   case["noise"], greedy, block_b, block_v, 4)
-    assert_same(ref, out, f"BLOCK_B={block_b} BLOCK_V={block_v} {drafter} greedy={greedy}")
+                                   case["noise"], greedy, block_b, block_v, 4, num_stages)
+    assert_same(ref, out, f"BLOCK_B={block_b} BLOCK_V={block_v} stages={num_stages} {drafter} greedy={greedy}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -421,8 +422,9 @@ from kernels.verify import _verify_kernel
 i64_ptrs = {"draft_tokens_ptr", "num_accepted_ptr", "tokens_ptr"}
 for has_q in (False, True):
     for greedy in (False, True):
-        for block_k in (1, 64):
-            consts = {"V": 32003, "BLOCK_B": 1, "BLOCK_K": block_k, "BLOCK_V": 4096, "HAS_Q": has_q, "GREEDY": greedy}
+        for block_k, stages in ((1, 1), (64, 3)):
+            consts = {"V": 32003, "BLOCK_B": 1, "BLOCK_K": block_k, "BLOCK_V": 4096, "NUM_STAGES": stages,
+                      "HAS_Q": has_q, "GREEDY": greedy}
             sig = {n: "constexpr" if n in consts else ("*i64" if n in i64_ptrs else "*fp32") if n.endswith("_ptr") else "i32"
                    for n in _verify_kernel.arg_names}
             k = triton.compile(ASTSource(_verify_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
