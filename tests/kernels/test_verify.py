@@ -311,14 +311,18 @@ def chi_squared(tokens: torch.Tensor, law) -> float:
     return ((counts - expected) ** 2 / expected).sum().item()
 
 
-def propose(laws, drafter, g, device):
-    """K draft tokens per row, position i from laws[i] (model) or fixed (deterministic); with their q."""
+def draw_round(laws, drafter, rows, g, device):
+    """One round's inputs for `rows` rows: K drafts (position i from laws[i] for the model drafter, fixed for the
+    deterministic one), their q, and the randoms. Drawn on the CPU, so every device sees the same samples."""
     K = len(laws)
     if drafter == "deterministic":
-        return torch.tensor(DETERMINISTIC_DRAFTS[:K], device=device).expand(N, K).contiguous(), None
-    q = torch.tensor(laws, device=device).expand(N, K, 6).contiguous()  # [N, K, 6]
-    x = torch.multinomial(q.reshape(N * K, 6), 1, generator=g).reshape(N, K)
-    return x, q
+        x, q = torch.tensor(DETERMINISTIC_DRAFTS[:K]).expand(rows, K).contiguous(), None
+    else:
+        q = torch.tensor(laws).expand(rows, K, 6).contiguous()  # [rows, K, 6]
+        x = torch.multinomial(q.reshape(rows * K, 6), 1, generator=g).reshape(rows, K)
+    uniform, noise = draw_randoms(rows, K, 6, "cpu", g)
+    to = lambda t: None if t is None else t.to(device)
+    return {"draft_tokens": to(x), "draft_probs": to(q), "uniform": to(uniform), "noise": to(noise)}
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -332,19 +336,16 @@ def test_emitted_tokens_follow_the_target(backend, K, drafter, device):
     call whose first position has target p_1 and draft q_1, with fresh randoms, whose first emitted token ~ p_1.
     """
     verify_fn = BACKEND_FNS[backend]
-    g = torch.Generator(device).manual_seed(seed_of("law", backend, K, drafter))
+    g = torch.Generator().manual_seed(seed_of("law", backend, K, drafter))
     later = [P0, P1, P0][: max(0, K - 1)]  # targets at positions 2..K; they do not matter for the first two tokens
     p = torch.tensor([P0, P1] + later, device=device).expand(N, K + 1, 6).contiguous()  # [N, K+1, 6]
-    x, q = propose(([Q0, Q1, Q1, Q0])[:K], drafter, g, device)
-    out = verify_fn(x, q, p, generator=g)
+    out = verify_fn(target_probs=p, **draw_round([Q0, Q1, Q1, Q0][:K], drafter, N, g, device))
     first = out.tokens[:, 0]
     second = out.tokens[:, 1].clone()
 
     again = (out.num_accepted == 0).nonzero().squeeze(1)  # rows whose second token comes from the next round
-    x2, q2 = propose([Q1], drafter, g, device)
-    p2 = torch.tensor([P1, P0], device=device).expand(N, 2, 6)
-    nxt = verify_fn(x2[again], None if q2 is None else q2[again], p2[again].contiguous(), generator=g)
-    second[again] = nxt.tokens[:, 0]
+    p_next = torch.tensor([P1, P0], device=device).expand(again.numel(), 2, 6).contiguous()
+    second[again] = verify_fn(target_probs=p_next, **draw_round([Q1], drafter, again.numel(), g, device)).tokens[:, 0]
 
     assert (second >= 0).all()
     stats = {"first vs p_0": chi_squared(first, P0), "second vs p_1": chi_squared(second, P1)}
