@@ -378,7 +378,7 @@ class Engine:
         ids = list(accepted) + out.draft[n:]
         ps, qs = out.p[:len(accepted)] + out.p[n:K], out.q[:len(accepted)] + out.q[n:K]
         if last is not None:
-            kinds.append("plain" if mode == "plain" else "bonus" if n == K else "resampled")
+            kinds.append("plain" if K == 0 else "bonus" if n == K else "resampled")  # K = 0 is a plain step
             ids.append(last)
             ps.append(out.p[K])
             qs.append(None)

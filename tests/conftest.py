@@ -1,0 +1,32 @@
+"""Shared fixtures: the embedded engine (loaded once per session) and tiny random Llama pairs."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run on the CPU through the interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def embedded_engine():
+    from flashspec_core import Engine
+
+    return Engine.from_preset("embedded")
+
+
+def tiny_llama(vocab: int = 6, seed: int = 0, sharpness: float = 1.0, layers: int = 2):
+    """A tiny randomly initialised LlamaForCausalLM; `sharpness` scales the output head (peakier p)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                      tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+        model.lm_head.weight.mul_(sharpness)
+    return model

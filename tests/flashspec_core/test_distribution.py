@@ -1,0 +1,86 @@
+"""Chi-squared tests through the engine's own round: emitted tokens follow the target p, not the draft q.
+
+Tiny random Llama target and draft with vocabulary 6 whose distributions differ; N = 30,000 rows run as one
+batch through Engine._start and Engine._round; the first and second emitted tokens are compared with the
+target's exact laws; critical value 15.086 (df 5, 1%).
+"""
+import pytest
+import torch
+
+from flashspec_core import Engine, SamplingConfig
+from flashspec_core.sampling import logits_to_probs
+from tests.conftest import tiny_llama
+
+N, V, CRITICAL = 30_000, 6, 15.086
+PROMPT = [1, 2, 3, 1, 2]  # prompt lookup proposes [3, 1, 2, ...] from it
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(V, seed=1, sharpness=0.5)
+    draft = tiny_llama(V, seed=2, sharpness=0.5)
+    return target, draft
+
+
+def exact_laws(target, sampling):
+    """Target laws of the first and second emitted token, from full forwards (no cache, no engine code)."""
+    with torch.no_grad():
+        p1 = logits_to_probs(target(torch.tensor([PROMPT])).logits[0, -1], sampling).double()
+        nxt = torch.stack([logits_to_probs(target(torch.tensor([PROMPT + [t]])).logits[0, -1], sampling)
+                           for t in range(V)]).double()
+    return p1, p1 @ nxt
+
+
+def first_two_tokens(engine, drafter, K, sampling, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = [list(PROMPT) for _ in range(N)]
+    engine._start(rows, sampling, gen)
+    out = engine._round(rows, engine.drafters[drafter], K, sampling, gen)
+    first = [t[0] for t in out.tokens]
+    second = [t[1] if n >= 1 else None for t, n in zip(out.tokens, out.num_accepted)]
+    for tok in sorted({first[i] for i in range(N) if second[i] is None}):  # rows that emitted one token
+        idx = [i for i in range(N) if second[i] is None and first[i] == tok]
+        rows2 = [PROMPT + [tok] for _ in idx]
+        engine._start(rows2, sampling, gen)
+        out2 = engine._round(rows2, engine.drafters[drafter], K, sampling, gen)
+        for i, t in zip(idx, out2.tokens):
+            second[i] = t[0]
+    return torch.tensor(first), torch.tensor(second), out
+
+
+def chi2(samples, law):
+    observed = torch.bincount(samples, minlength=V).double()
+    support = law > 0
+    assert observed[~support].sum() == 0, f"tokens outside the target's support: {observed.tolist()}"
+    expected = N * law[support]
+    return float(((observed[support] - expected) ** 2 / expected).sum())
+
+
+SAMPLINGS = {"t1": SamplingConfig(temperature=1.0), "topk_topp": SamplingConfig(temperature=0.8, top_k=4, top_p=0.9)}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup"])
+@pytest.mark.parametrize("K", [1, 4])
+def test_emitted_tokens_follow_target(pair, drafter, K, sampling):
+    target, draft = pair
+    cfg = SAMPLINGS[sampling]
+    engine = Engine.from_models(target, [draft, "prompt_lookup"], kernel_backend="torch")
+    first, second, out = first_two_tokens(engine, drafter, K, cfg, seed=K)
+    p1, p2 = exact_laws(target, cfg)
+    assert 0 < sum(out.num_accepted) < N * K, "the test needs both accepts and rejects"
+    s1, s2 = chi2(first, p1), chi2(second, p2)
+    assert s1 < CRITICAL and s2 < CRITICAL, f"chi2 first={s1:.1f} second={s2:.1f} (critical {CRITICAL})"
+
+
+def test_the_test_has_power(pair):
+    """The same statistic rejects the draft's law, so a verifier that emitted q-samples would fail."""
+    target, draft = pair
+    cfg = SAMPLINGS["t1"]
+    engine = Engine.from_models(target, [draft], kernel_backend="torch")
+    first, _, _ = first_two_tokens(engine, "draft_model", 1, cfg, seed=0)
+    with torch.no_grad():
+        q1 = logits_to_probs(draft(torch.tensor([PROMPT])).logits[0, -1], cfg).double()
+        p1 = logits_to_probs(target(torch.tensor([PROMPT])).logits[0, -1], cfg).double()
+    assert (p1 - q1).abs().sum() / 2 > 0.2, "p and q must differ for these tests to mean anything"
+    assert chi2(first, q1) > 10 * CRITICAL

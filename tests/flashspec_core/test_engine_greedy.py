@@ -1,0 +1,54 @@
+"""Greedy speculative output must equal greedy plain output, token for token, on the real embedded model."""
+import pytest
+import torch
+
+from flashspec_core import Engine, SamplingConfig
+
+PROMPTS = [
+    "Rename the function `area` to `rect_area` in this code and return the code:\n\n"
+    "def area(w, h):\n    return w * h\n\nprint(area(2, 3))\nprint(area(4, 5))\n",
+    "Summarise in two sentences: The Amazon rainforest covers much of the Amazon basin of South America. "
+    "It is home to millions of species of insects, plants, birds and other forms of life.",
+    "Write a short poem about the sea.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine_with_draft_model(embedded_engine):
+    """The embedded target plus a real draft model: its own first 24 of 30 layers (early exit), sharing weights."""
+    from transformers import AutoModelForCausalLM
+
+    target = embedded_engine.target.model
+    cfg = target.config.__class__.from_dict({**target.config.to_dict(), "num_hidden_layers": 24})
+    draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.model.layers = torch.nn.ModuleList(list(target.model.layers[:24]))
+    draft.model.norm, draft.lm_head = target.model.norm, target.lm_head
+    return Engine.from_models(target, [draft, "prompt_lookup", "ngram_cache"], tokenizer=embedded_engine.tokenizer,
+                              draft_names=["draft:early-exit-24"])
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["code", "summary", "chat"])
+def test_greedy_speculative_equals_plain(embedded_engine, prompt):
+    engine = embedded_engine
+    greedy = SamplingConfig(temperature=0.0)
+    plain = engine.generate(prompt, max_new_tokens=64, sampling=greedy, mode="plain").token_ids
+    assert len(plain) == 64 or plain[-1] in engine.eos_ids
+    for drafters, gamma in ((["prompt_lookup"], 4), (["ngram_cache"], 4), (["no_draft"], 4), (None, "auto")):
+        result = engine.generate(prompt, max_new_tokens=64, sampling=greedy, gamma=gamma, drafters=drafters)
+        assert result.token_ids == plain, f"drafters={drafters} gamma={gamma} diverged"
+
+
+def test_greedy_with_draft_model_equals_plain(engine_with_draft_model):
+    engine, greedy = engine_with_draft_model, SamplingConfig(temperature=0.0)
+    plain = engine.generate(PROMPTS[0], max_new_tokens=64, sampling=greedy, mode="plain").token_ids
+    for drafters in (["draft:early-exit-24"], None):
+        result = engine.generate(PROMPTS[0], max_new_tokens=64, sampling=greedy, gamma=3, drafters=drafters)
+        assert result.token_ids == plain, f"drafters={drafters} diverged"
+    assert 0 < result.stats["accepted"] < result.stats["proposed"], result.stats  # both accepts and rejects happened
+
+
+def test_bandit_run_accepts_drafts_and_saves_forwards(embedded_engine):
+    result = embedded_engine.generate(PROMPTS[0], max_new_tokens=64, gamma="auto")
+    assert result.stats["target_forwards"] < len(result.token_ids), result.stats
+    assert result.stats["acceptance"] > 0
