@@ -47,6 +47,9 @@ class Drafter:
     def observe(self, rows: list[list[int]], kept: int) -> None:
         pass
 
+    def reset_session(self) -> None:
+        """Forget what was learnt across generations (only the n-gram cache learns any)."""
+
 
 class NoDraft(Drafter):
     """K = 0: the round is one plain decoding step, so the bandit can always fall back to plain decoding."""
@@ -93,6 +96,9 @@ class NgramCache(Drafter):
 
     def start(self, rows, sampling, generator):
         self._start = self._seen = len(rows[0])
+
+    def reset_session(self):
+        self.table.clear()
 
     def _next(self, row):
         for n in range(self.max_ngram, 1, -1):

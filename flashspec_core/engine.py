@@ -202,6 +202,11 @@ class Engine:
         arms = self._check_request(len(ids), max_new_tokens, sampling, gamma, mode, drafters, bandit)
         return self._stream(ids, max_new_tokens, sampling, gamma, mode, seed, arms, bandit or self.bandit_strategy)
 
+    def reset_session(self) -> None:
+        """Forget cross-generation memory (the n-gram cache), e.g. between benchmark rows."""
+        for d in self.drafters.values():
+            d.reset_session()
+
     def generate(self, prompt, max_new_tokens: int = 64, sampling: SamplingConfig | None = None, **kwargs) -> GenerationResult:
         events = list(self.stream(prompt, max_new_tokens, sampling, **kwargs))
         ids = [t for e in events for t in e.emitted]

@@ -1,0 +1,135 @@
+"""Side-by-side decoding benchmark: own plain decoding, the bandit, each drafter fixed, and Hugging Face generate().
+
+    python -m benchmarks.run --preset embedded
+
+Every row runs the same prompt (assets/examples.json), seed and machine, greedy, one after the other.
+Writes JSON and CSV under benchmarks/results/ and prints a markdown table. Numbers, not assertions.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from flashspec_core import Engine, SamplingConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+GROUNDED = {"code edit", "summary", "document QA", "long repetitive answer"}
+
+
+def environment() -> dict:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"machine": cpu, "threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def run_engine(engine: Engine, prompt: str, max_new: int, seed: int, **kwargs) -> dict:
+    engine.reset_session()  # no n-gram memory of an earlier row's answer
+    result = engine.generate(prompt, max_new_tokens=max_new, sampling=SamplingConfig(temperature=0.0), seed=seed, **kwargs)
+    s = result.stats
+    return {"tokens": s["new_tokens"], "seconds": s["elapsed_s"], "tok_per_s": s["tok_per_s"],
+            "acceptance": s["acceptance"], "tokens_per_forward": s["tokens_per_forward"],
+            "target_forwards": s["target_forwards"], "pulls": s["pulls"], "ids": result.token_ids}
+
+
+def run_hf(engine: Engine, prompt: str, max_new: int, **generate_kwargs) -> dict:
+    model = engine.target.model
+    ids = torch.tensor([engine.encode(prompt)], device=engine.target.device)
+    eos = sorted(engine.eos_ids) or None
+    with torch.inference_mode():
+        if engine.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos[0] if eos else None, **generate_kwargs)
+        if engine.target.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    new = out[0, ids.shape[1]:].tolist()
+    return {"tokens": len(new), "seconds": seconds, "tok_per_s": len(new) / seconds, "acceptance": None,
+            "tokens_per_forward": None, "target_forwards": None, "pulls": None, "ids": new}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="embedded")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="override each prompt's own length")
+    ap.add_argument("--gamma", default="auto")
+    ap.add_argument("--only", nargs="*", help="prompt kinds to run (default: all)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate() rows")
+    args = ap.parse_args(argv)
+    gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
+
+    engine = Engine.from_preset(args.preset)
+    prompts = json.loads((ROOT / "assets" / "examples.json").read_text())
+    if args.only:
+        prompts = [p for p in prompts if p["kind"] in args.only]
+    drafters = [n for n in engine.drafters if n != "no_draft"]
+    configs = [("plain", dict(mode="plain")), ("bandit", dict(gamma=gamma))]
+    configs += [(f"fixed:{d}", dict(gamma=gamma, drafters=[d])) for d in drafters]
+    hf = [] if args.no_hf else [("hf:generate", {}), ("hf:prompt_lookup_10", dict(prompt_lookup_num_tokens=10))]
+
+    run_engine(engine, "Hello!", 8, args.seed)  # warm up allocators and the cost model
+    rows = []
+    for p in prompts:
+        max_new = args.max_new_tokens or p.get("max_new_tokens", 128)
+        plain = None
+        for name, kw in configs + hf:
+            r = run_hf(engine, p["prompt"], max_new, **kw) if name.startswith("hf:") else run_engine(
+                engine, p["prompt"], max_new, args.seed, **kw)
+            plain = plain or r
+            r.update(prompt=p["kind"], config=name, max_new_tokens=max_new,
+                     speedup=r["tok_per_s"] / plain["tok_per_s"], same_as_plain=r["ids"] == plain["ids"])
+            rows.append(r)
+            print(f"{p['kind']:>24} {name:>22} {r['tok_per_s']:7.1f} tok/s  x{r['speedup']:.2f}", flush=True)
+
+    env = environment()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}"
+    payload = {"command": "python -m benchmarks.run " + " ".join(argv or []), "preset": args.preset,
+               "seed": args.seed, "gamma": gamma, "env": env, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
+    (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2))
+    fields = ["prompt", "config", "tokens", "seconds", "tok_per_s", "speedup", "acceptance", "tokens_per_forward",
+              "target_forwards", "same_as_plain", "max_new_tokens"]
+    with open(RESULTS / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    print()
+    print(table(rows, env))
+    return 0
+
+
+def table(rows, env) -> str:
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    lines = [f"{env['machine']}, {env['threads']} threads, torch {env['torch']}, transformers {env['transformers']}, "
+             f"commit {env['commit']}", "",
+             "| prompt | config | tokens | tok/s | speedup vs own plain | acceptance | tokens/target forward | same ids as plain |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['prompt']} | {r['config']} | {r['tokens']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | "
+                     f"{fmt(r['acceptance'], '.2f')} | {fmt(r['tokens_per_forward'], '.2f')} | {r['same_as_plain']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
