@@ -1,0 +1,70 @@
+"""The stream pane: round events -> coloured, HTML-escaped token spans (pure functions), and its panel.
+
+Each token kind has its own class (`tok-accepted`, `tok-rejected`, `tok-resampled`, `tok-bonus`, `tok-plain`;
+colours in assets/app.css). The latest round's rejected drafts are shown struck through; they are dropped
+once the next round arrives. Whitespace is kept verbatim: the container is `white-space: pre-wrap`.
+"""
+from __future__ import annotations
+
+import html
+
+import gradio as gr
+
+from flashspec_core import RoundEvent, TokenSpan
+
+KINDS = ("accepted", "rejected", "resampled", "bonus", "plain")
+KIND_LABELS = {
+    "accepted": "accepted draft",
+    "rejected": "rejected draft (dropped)",
+    "resampled": "resampled at the rejection",
+    "bonus": "bonus (all drafts accepted)",
+    "plain": "plain decoding",
+}
+EMPTY = '<div class="fs-tokens fs-empty">The generated text appears here, round by round.</div>'
+
+
+def span_html(span: TokenSpan, drafter: str) -> str:
+    """One token as a span whose title gives its drafter, p and q."""
+    q = "" if span.q is None else f" · q = {span.q:.3f}"
+    title = html.escape(f"{KIND_LABELS[span.kind]} · drafter: {drafter}\np = {span.p:.3f}{q}").replace("\n", "&#10;")
+    return f'<span class="tok tok-{span.kind}" title="{title}">{html.escape(span.text)}</span>'
+
+
+def round_html(event: RoundEvent, show_rejected: bool) -> str:
+    """The spans of one round in display order: accepted, [rejected], then the resampled/bonus/plain token."""
+    return "".join(span_html(s, event.drafter) for s in event.spans if show_rejected or s.kind != "rejected")
+
+
+def tokens_html(events: list[RoundEvent], live: bool = True, keep_rejected: bool = False) -> str:
+    """The whole text so far. live: show the latest round's rejected drafts; keep_rejected: show every round's."""
+    if not events:
+        return EMPTY
+    last = len(events) - 1
+    body = "".join(round_html(e, keep_rejected or (live and i == last)) for i, e in enumerate(events))
+    return f'<div class="fs-tokens">{body}</div>'
+
+
+def legend_html() -> str:
+    items = "".join(f'<span class="tok tok-{k}">{html.escape(KIND_LABELS[k])}</span>' for k in KINDS)
+    return f'<div class="fs-legend">{items}<span class="fs-hint">hover a token for its drafter, p and q</span></div>'
+
+
+def stats_markdown(stats: dict, live: bool = False) -> str:
+    """One line of the headline numbers of a (running) stream."""
+    if not stats or not stats.get("new_tokens"):
+        return "&nbsp;"
+    line = (f"**{stats['tok_per_s']:.1f} tok/s** · acceptance {stats['acceptance']:.0%} · "
+            f"{stats['tokens_per_forward']:.2f} tokens/target forward · {stats['new_tokens']} tokens in "
+            f"{stats['elapsed_s']:.2f} s ({stats['target_forwards']} forwards)")
+    if not live and stats.get("finished"):
+        line += f" · stopped: {stats['finished']}"
+    return line
+
+
+def build_tokens() -> dict[str, gr.components.Component]:
+    c = {}
+    c["legend"] = gr.HTML(legend_html(), elem_id="legend")
+    c["tokens"] = gr.HTML(EMPTY, label="Generated text", elem_id="tokens")
+    c["stream_stats"] = gr.Markdown("&nbsp;", elem_id="stream-stats")
+    c["keep_rejected"] = gr.Checkbox(False, label="Keep rejected drafts in the text", elem_id="keep-rejected")
+    return c

@@ -1,0 +1,67 @@
+import re
+
+from fake_events import make_event
+
+from components.tokens import KINDS, legend_html, span_html, stats_markdown, tokens_html
+from flashspec_core import TokenSpan
+
+
+def test_span_escapes_text_and_keeps_whitespace():
+    out = span_html(TokenSpan("accepted", 1, '<a href="x">&\n    ', 0.5, 1.0), "prompt_lookup")
+    assert '&lt;a href=&quot;x&quot;&gt;&amp;\n    </span>' in out
+    assert "<a " not in out
+
+
+def test_span_title_gives_drafter_p_and_q():
+    out = span_html(TokenSpan("rejected", 1, "x", 0.125, 0.75), 'draft:"quoted"')
+    assert 'class="tok tok-rejected"' in out
+    assert "drafter: draft:&quot;quoted&quot;&#10;p = 0.125 · q = 0.750" in out
+
+
+def test_bonus_title_has_no_q():
+    out = span_html(TokenSpan("bonus", 1, "x", 0.5, None), "ngram_cache")
+    assert "p = 0.500" in out and "q =" not in out
+
+
+def test_live_view_strikes_latest_rejections_then_drops_them(events):
+    live = tokens_html(events, live=True)
+    assert live.count("tok-rejected") == 1  # only the last round's draft
+    assert "&lt;b&gt;" in live
+    two_rounds = tokens_html(events[:2], live=True)
+    assert two_rounds.count("tok-rejected") == 2  # round 1 is now the latest
+    final = tokens_html(events, live=False)
+    assert "tok-rejected" not in final
+    assert tokens_html(events, live=False, keep_rejected=True).count("tok-rejected") == 3
+
+
+def test_text_order_and_classes(events):
+    out = tokens_html(events, live=False)
+    texts = re.findall(r"<span [^>]*>(.*?)</span>", out, flags=re.S)
+    assert texts == ["def", " f", "(", "x", ")", ":\n    "]
+    assert out.startswith('<div class="fs-tokens">')
+    for kind in ("accepted", "bonus", "resampled"):
+        assert f"tok-{kind}" in out
+
+
+def test_plain_tokens_are_neutral():
+    ev = make_event(0, "no_draft", accepted=(), last=("plain", "hi"), mode="plain", arms=())
+    assert 'class="tok tok-plain"' in tokens_html([ev])
+
+
+def test_empty_stream_shows_placeholder():
+    assert "fs-empty" in tokens_html([])
+
+
+def test_legend_has_every_kind():
+    legend = legend_html()
+    for kind in KINDS:
+        assert f"tok-{kind}" in legend
+
+
+def test_stats_markdown():
+    stats = dict(new_tokens=48, tok_per_s=49.6, acceptance=0.881, tokens_per_forward=4.36, elapsed_s=0.97,
+                 target_forwards=11, finished="length")
+    line = stats_markdown(stats)
+    assert "**49.6 tok/s**" in line and "88%" in line and "4.36 tokens/target forward" in line
+    assert "stopped: length" in line and "stopped" not in stats_markdown(stats, live=True)
+    assert stats_markdown({}) == "&nbsp;"
