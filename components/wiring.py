@@ -1,0 +1,55 @@
+"""Connects name-keyed handlers to components: inputs are passed by name, yielded {name: value} updates are
+mapped to {component: value}. Also the Hugging Face Spaces GPU decorator, a no-op where `spaces` is absent.
+"""
+from __future__ import annotations
+
+import inspect
+
+import gradio as gr
+
+try:  # on Hugging Face Spaces (ZeroGPU); import before anything initialises CUDA
+    import spaces
+
+    gpu = spaces.GPU
+except ImportError:
+    def gpu(fn):
+        return fn
+
+
+def bind(handler, ui: dict, inputs: list[str]):
+    """A gradio callback that calls handler(**{name: value}) and maps its {name: value} updates onto ui.
+
+    A handler that takes `progress` gets gradio's progress tracker (a loading bar over the outputs): gradio
+    finds it as a positional parameter with a gr.Progress() default, after the inputs.
+    """
+    signature = inspect.signature(handler)
+    signature.bind_partial(**dict.fromkeys(inputs))  # a TypeError now, at build time, for a misnamed input
+    wants_progress = "progress" in signature.parameters
+
+    def call(args):
+        if wants_progress:
+            *args, progress = args
+            return handler(**dict(zip(inputs, args)), progress=progress)
+        return handler(**dict(zip(inputs, args)))
+
+    def components(update: dict) -> dict:
+        return {ui[name]: value for name, value in update.items()}
+
+    if inspect.isgeneratorfunction(handler):
+        def callback(*args):
+            for update in call(args):
+                yield components(update)
+    else:
+        def callback(*args):
+            return components(call(args))
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in inputs]
+    if wants_progress:
+        params.append(inspect.Parameter("progress", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=gr.Progress()))
+    callback.__signature__ = inspect.Signature(params)
+    callback.__name__ = callback.__qualname__ = handler.__name__
+    callback.__doc__ = handler.__doc__
+    return callback
+
+
+def outputs(ui: dict, names) -> list:
+    return [ui[n] for n in names]

@@ -1,0 +1,44 @@
+import inspect
+
+import gradio as gr
+import pytest
+
+from components.wiring import bind
+
+
+def test_generator_handler_gets_named_inputs_and_its_updates_are_mapped():
+    ui = {"a": object(), "b": object(), "out": object()}
+    seen = {}
+
+    def handler(a, b, progress=None):
+        seen.update(a=a, b=b, progress=progress)
+        yield {"out": a + b}
+        yield {"out": a * b}
+
+    callback = bind(handler, ui, ["a", "b"])
+    assert inspect.isgeneratorfunction(callback)
+    marker = object()
+    assert list(callback(2, 3, marker)) == [{ui["out"]: 5}, {ui["out"]: 6}]
+    assert seen == {"a": 2, "b": 3, "progress": marker}
+
+
+def test_gradio_finds_the_progress_parameter():
+    def handler(a, progress=None):
+        yield {}
+
+    params = list(inspect.signature(bind(handler, {}, ["a"])).parameters.values())
+    assert [p.name for p in params] == ["a", "progress"]
+    assert params[1].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and isinstance(params[1].default, gr.Progress)
+
+
+def test_plain_function_without_progress():
+    ui = {"x": object()}
+    callback = bind(lambda x: {"x": x + 1}, ui, ["x"])
+    assert not inspect.isgeneratorfunction(callback)
+    assert callback(1) == {ui["x"]: 2}
+    assert list(inspect.signature(callback).parameters) == ["x"]
+
+
+def test_misnamed_inputs_fail_at_build_time():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'b'"):
+        bind(lambda a: {}, {}, ["a", "b"])
