@@ -1,0 +1,355 @@
+"""`StaticCausalLM`: a drop-in `CausalLM` for the Llama family (Llama, SmolLM2, TinyLlama, Qwen2) with a static
+KV cache and, on CUDA, one CUDA graph per (token count, context bucket); `fast_or_eager` picks it or `CausalLM`.
+
+It runs its own compact forward over the Hugging Face model's parameters (shared, never copied) and matches
+HF's numerics op for op where they are defined (RMSNorm in float32, rotary tables from HF's own `inv_freq`).
+Rollback is moving `length` back: attention masks every cache slot past each query's position, so stale
+entries are never read and are overwritten by the next forward. Positions and lengths live on the host;
+nothing in `forward` or `crop` waits for the device.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashspec_core.models import CausalLM
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies fixed at init (no seq_len-dependent update)
+MODES = ("auto", "on", "off")
+ATTENTION = ("auto", "math", "sdpa")
+MAX_GRAPH_TOKENS = 33  # verify of K + 1 tokens, K <= 32
+SLACK = 33  # cache slots past max_len: a draft model runs up to K tokens ahead of the target's window
+DEFAULT_MAX_LEN = 4096
+
+
+# ----------------------------------------------------------------------------------------------------
+# Support check and factory
+
+
+def is_supported(model) -> tuple[bool, str]:
+    """(True, "") when `StaticCausalLM` reproduces `model` exactly; else (False, why not)."""
+    name = type(model).__name__
+    if name not in ARCHITECTURES:
+        return False, f"architecture {name} is not one of {list(ARCHITECTURES)}"
+    config = model.config
+    if getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None:
+        return False, "quantized weights"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return False, f"activation {config.hidden_act!r} (the fast path implements SwiGLU with silu)"
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
+        return False, "sliding-window attention is in use"
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in STATIC_ROPE:
+        return False, f"rope type {rope_type!r} (supported: {list(STATIC_ROPE)})"
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        return False, "partial rotary embeddings"
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        return False, "no rotary embedding module at model.model.rotary_emb"
+    if len(model.model.layers) != config.num_hidden_layers:
+        return False, f"{len(model.model.layers)} layers but config.num_hidden_layers = {config.num_hidden_layers}"
+    dtypes = {p.dtype for p in model.parameters()}
+    if not dtypes <= {torch.float32, torch.float16, torch.bfloat16} or len(dtypes) != 1:
+        return False, f"parameter dtypes {sorted(str(d) for d in dtypes)} (expected one of float32/float16/bfloat16)"
+    if len({p.device for p in model.parameters()}) != 1:
+        return False, "parameters are spread over several devices"
+    return True, ""
+
+
+def fast_or_eager(model, vocab_size: int | None = None, mode: str = "auto", max_len: int | None = None):
+    """The model wrapper the engine should drive; `.path` says which one and, for eager, why.
+
+    mode "auto": `StaticCausalLM` with CUDA graphs on CUDA for supported models, else `CausalLM`.
+    mode "on":   `StaticCausalLM` (graphs on CUDA only); raises if the model is unsupported.
+    mode "off":  `CausalLM`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown fast path mode {mode!r}; expected one of {list(MODES)}")
+    ok, reason = is_supported(model)
+    if mode == "off":
+        reason = "fast path off"
+    elif not ok and mode == "on":
+        raise ValueError(f"the fast path cannot run this model: {reason}; use fast_path='auto' or 'off'")
+    elif ok and mode == "auto" and next(model.parameters()).device.type != "cuda":
+        reason = "not on CUDA"
+    elif ok:
+        return StaticCausalLM(model, vocab_size, max_len=max_len)
+    lm = CausalLM(model, vocab_size)
+    lm.path = f"eager ({reason})"
+    return lm
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model
+
+
+class StaticCausalLM:
+    """A Llama-family causal LM fed incrementally through a static KV cache holding the first `length` tokens.
+
+    Same interface as `CausalLM`: `forward` appends ids [B, T] and returns float32 logits [B, T', V] (sliced to
+    `vocab_size`, a fresh tensor); `crop` rolls back; `reset` empties the cache and keeps every buffer and graph.
+    The cache holds max_len + 33 slots per layer (rounded up to a multiple of 64); `context_window` is max_len.
+
+    ctx_buckets: attention reads only the first S cache slots, S the smallest bucket >= length + T, so one
+    graph per (T, S) serves every position in the bucket. Defaults: 256, 512, 1024, ... up to the capacity.
+    attention: "math" = HF's eager attention op for op (scores rounded to the model dtype, softmax in float32),
+    "sdpa" = F.scaled_dot_product_attention, "auto" = math for T <= max_graph_tokens (decode and verify:
+    HF-eager numerics; on an H200 as fast as SDPA at a 512-token context, faster at 2000), sdpa beyond.
+    prefill_chunk: longer forwards (prompts) run eagerly in chunks of this many tokens, which bounds the
+    attention mask and activations.
+    """
+
+    def __init__(self, model, vocab_size: int | None = None, *, max_len: int | None = None,
+                 use_graphs: bool | None = None, ctx_buckets: tuple[int, ...] | None = None,
+                 max_graph_tokens: int = MAX_GRAPH_TOKENS, attention: str = "auto", prefill_chunk: int = 512):
+        ok, reason = is_supported(model)
+        if not ok:
+            raise ValueError(f"StaticCausalLM cannot run this model: {reason}")
+        self.model = model.eval()
+        self.config = config = model.config
+        self.vocab_size = vocab_size or config.vocab_size
+        self.device = next(model.parameters()).device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        window = int(getattr(config, "max_position_embeddings", DEFAULT_MAX_LEN))
+        self.max_len = int(max_len or min(window, DEFAULT_MAX_LEN))
+        if self.max_len < 1:
+            raise ValueError(f"max_len must be positive, got {max_len!r}")
+        self.capacity = -(-(self.max_len + SLACK) // 64) * 64  # slots per layer, a multiple of 64 (mask alignment)
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else bool(use_graphs)
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model; this one is on {self.device}")
+        if attention not in ATTENTION:
+            raise ValueError(f"unknown attention {attention!r}; expected one of {list(ATTENTION)}")
+        self.attention = attention
+        self.max_graph_tokens = max_graph_tokens
+        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.buckets = self._make_buckets(ctx_buckets)
+        self.path = "static+graphs" if self.use_graphs else "static (no CUDA graphs)"
+
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.scaling = self.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.layers = [_Layer(layer) for layer in model.model.layers]  # views of the HF parameters
+        self.embed = model.model.embed_tokens.weight
+        self.norm = model.model.norm.weight
+        self.lm_head = model.lm_head.weight  # the embedding itself when tied
+        self.lm_head_bias = getattr(model.lm_head, "bias", None)
+
+        with torch.no_grad():
+            self.slots = torch.arange(self.capacity, device=self.device)  # positions 0..capacity-1, int64
+            self.cos, self.sin = self._rope_tables(model.model.rotary_emb)  # [capacity, D] in the model dtype
+            self.neg_inf = torch.tensor(float("-inf"), dtype=self.dtype, device=self.device)
+            self.zero = torch.tensor(0.0, dtype=self.dtype, device=self.device)
+        self.batch = 0
+        self.k_cache: list[torch.Tensor] = []  # per layer [B, n_kv, capacity, D]
+        self.v_cache: list[torch.Tensor] = []
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._allocate(1)
+        self.length = 0
+        self.forwards = 0
+
+    # ------------------------------------------------------------------------------------------------
+    # Buffers
+
+    def _make_buckets(self, ctx_buckets) -> tuple[int, ...]:
+        if ctx_buckets is None:
+            sizes, s = [], 256
+            while s < self.capacity:
+                sizes.append(s)
+                s *= 2
+        else:
+            sizes = [int(s) for s in ctx_buckets]
+            if any(s < 1 for s in sizes):
+                raise ValueError(f"context buckets must be positive, got {list(ctx_buckets)}")
+        return tuple(sorted({s for s in sizes if s < self.capacity} | {self.capacity}))
+
+    def _rope_tables(self, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [capacity, D] as HF computes them: float32 p * inv_freq, duplicated, scaled, cast.
+
+        sin carries the sign of rotate_half: rotate_half(x) * sin == roll(x, D/2) * sin_signed, exactly.
+        """
+        inv_freq = rotary.inv_freq.to(device=self.device, dtype=torch.float32)
+        scale = float(getattr(rotary, "attention_scaling", 1.0))
+        freqs = self.slots.float()[:, None] * inv_freq[None, :]  # [capacity, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * scale).to(self.dtype)
+        sin = (emb.sin() * scale).to(self.dtype)
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cos.contiguous(), sin_signed.contiguous()
+
+    def _allocate(self, batch: int) -> None:
+        """(Re)allocate the caches and static inputs for `batch` rows; drops captured graphs."""
+        shape = (batch, self.n_kv, self.capacity, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.static_ids = torch.zeros((batch, self.max_graph_tokens), dtype=torch.int64, device=self.device)
+        self.static_pos = torch.zeros((self.max_graph_tokens,), dtype=torch.int64, device=self.device)
+        self.graphs.clear()
+        self.batch = batch
+
+    @property
+    def context_window(self) -> int:
+        return min(self.max_len, int(getattr(self.config, "max_position_embeddings", 1 << 30)))
+
+    def bucket(self, needed: int) -> int:
+        """The number of cache slots attention reads when the cache will hold `needed` tokens."""
+        for s in self.buckets:
+            if s >= needed:
+                return s
+        raise ValueError(f"{needed} tokens do not fit in the static cache of {self.capacity} slots "
+                         f"(max_len={self.max_len}); build the model with a larger max_len")
+
+    # ------------------------------------------------------------------------------------------------
+    # CausalLM interface
+
+    def reset(self) -> None:
+        """Empty the cache (length = 0); buffers and graphs are kept."""
+        self.length = 0
+        self.forwards = 0
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+        """Append ids [B, T] to the cache; return float32 logits [B, T', V] for the last logits_to_keep (0 = all)."""
+        B, T = ids.shape
+        if T < 1:
+            raise ValueError(f"forward needs at least one token, got ids of shape {tuple(ids.shape)}")
+        if B != self.batch:
+            if self.length:
+                raise ValueError(f"batch of {B} rows but the cache holds {self.batch} rows; reset() first")
+            self._allocate(B)
+        start, S = self.length, self.bucket(self.length + T)
+        keep = T if logits_to_keep <= 0 else min(logits_to_keep, T)
+        if self.use_graphs and T <= self.max_graph_tokens and start > 0:  # a prefill's T is one-off: eager
+            self.static_ids[:, :T].copy_(ids)
+            self.static_pos[:T].copy_(self.slots[start:start + T])  # device to device: no host round trip
+            graph, out = self.graphs.get((T, S)) or self._capture(T, S)
+            graph.replay()
+            logits = out[:, T - keep:]  # the graph's own buffer: converted below into a fresh tensor
+        else:
+            chunks = []
+            for c0 in range(0, T, self.prefill_chunk):
+                c1 = min(T, c0 + self.prefill_chunk)
+                rows = max(0, min(c1 - c0, keep - (T - c1)))  # of this chunk's rows, those among the last keep
+                chunks.append(self._forward(ids[:, c0:c1], self.slots[start + c0:start + c1],
+                                            self.bucket(start + c1), rows))
+            logits = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+        self.length += T
+        self.forwards += 1
+        return logits[..., : self.vocab_size].to(torch.float32, copy=True)
+
+    def crop(self, length: int) -> None:
+        """Roll the cache back so that it holds the first `length` tokens (slots past it are masked)."""
+        if length < self.length:
+            self.length = max(0, length)
+
+    # ------------------------------------------------------------------------------------------------
+    # CUDA graphs
+
+    @torch.inference_mode()
+    def capture(self, token_counts=range(1, 18), max_context: int | None = None) -> int:
+        """Capture graphs now for each T in token_counts and every bucket up to max_context (default: all).
+
+        Call after reset() or before the first generation: the warm-up forwards write into the cache.
+        Returns the number of graphs captured. Without graphs (CPU, use_graphs=False) it does nothing.
+        """
+        if not self.use_graphs:
+            return 0
+        if self.length:
+            raise ValueError("capture() writes into the cache: call it before generating or after reset()")
+        limit = self.capacity if max_context is None else self.bucket(max_context)
+        count = 0
+        for T in token_counts:
+            if not 1 <= T <= self.max_graph_tokens:
+                raise ValueError(f"token count {T} outside 1..{self.max_graph_tokens}")
+            for S in self.buckets:
+                if S <= limit and S >= T and (T, S) not in self.graphs:
+                    self.static_pos[:T].copy_(self.slots[S - T:S])
+                    self._capture(T, S)
+                    count += 1
+        return count
+
+    def _capture(self, T: int, S: int):
+        """Warm up on a side stream, then capture one forward of T tokens over S slots into a shared pool."""
+        ids, pos = self.static_ids[:, :T], self.static_pos[:T]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._forward(ids, pos, S, T)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._forward(ids, pos, S, T)  # [B, T, V_model]
+        self.graphs[(T, S)] = (graph, out)
+        return graph, out
+
+    # ------------------------------------------------------------------------------------------------
+    # The transformer
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, S: int, keep: int) -> torch.Tensor:
+        """ids [B, T] at positions pos [T] (device); attends over cache slots [0, S); logits [B, keep, V_model]."""
+        B, T = ids.shape
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        R = H // KV  # query heads per kv head
+        x = F.embedding(ids, self.embed)  # [B, T, hidden]
+        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # [T, 1, D]
+        # GQA without repeating K/V: the R query heads of a kv head become R * T query rows (row r * T + t)
+        visible = self.slots[:S][None, :] <= pos.repeat(R)[:, None]  # [R*T, S]
+        mask = torch.where(visible, self.zero, self.neg_inf)
+        math = self.attention == "math" or (self.attention == "auto" and T <= self.max_graph_tokens)
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.input_norm)
+            q = F.linear(h, layer.q, layer.q_bias).view(B, T, H, D)
+            k = F.linear(h, layer.k, layer.k_bias).view(B, T, KV, D)
+            v = F.linear(h, layer.v, layer.v_bias).view(B, T, KV, D)
+            qk = torch.cat((q, k), dim=2)  # [B, T, H + KV, D]: one rotary pass for both
+            qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # HF's q * cos + rotate_half(q) * sin, exactly
+            q, k = qk.split((H, KV), dim=2)
+            self.k_cache[i].index_copy_(2, pos, k.transpose(1, 2))
+            self.v_cache[i].index_copy_(2, pos, v.transpose(1, 2))
+            q = q.view(B, T, KV, R, D).permute(0, 2, 3, 1, 4).reshape(B, KV, R * T, D)
+            o = self._attend(q, self.k_cache[i][:, :, :S], self.v_cache[i][:, :, :S], mask, math)
+            o = o.view(B, KV, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+            x = x + F.linear(o, layer.o, layer.o_bias)
+            h = self._rms_norm(x, layer.post_norm)
+            gate = F.linear(h, layer.gate, layer.gate_bias)
+            x = x + F.linear(F.silu(gate) * F.linear(h, layer.up, layer.up_bias), layer.down, layer.down_bias)
+        x = self._rms_norm(x[:, T - keep:], self.norm)
+        return F.linear(x, self.lm_head, self.lm_head_bias)
+
+    def _attend(self, q, k, v, mask, math: bool) -> torch.Tensor:
+        """q [B, KV, R*T, D] over k, v [B, KV, S, D] with the additive mask [R*T, S] -> [B, KV, R*T, D]."""
+        if not math:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling  # HF's eager_attention_forward, op for op
+        probs = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """HF's RMSNorm: normalise in float32 (rms_norm upcasts half inputs), round to x's dtype, then scale."""
+        return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+
+
+class _Layer:
+    """One decoder layer's parameters (the HF tensors themselves; biases None where absent)."""
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.q, self.q_bias = attn.q_proj.weight, attn.q_proj.bias
+        self.k, self.k_bias = attn.k_proj.weight, attn.k_proj.bias
+        self.v, self.v_bias = attn.v_proj.weight, attn.v_proj.bias
+        self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
+        self.gate, self.gate_bias = mlp.gate_proj.weight, mlp.gate_proj.bias
+        self.up, self.up_bias = mlp.up_proj.weight, mlp.up_proj.bias
+        self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
