@@ -13,6 +13,8 @@ import plotly.graph_objects as go
 
 from flashspec_core import RoundEvent
 
+from components.figures import figure
+
 PALETTE = ("#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2", "#64748b")
 HEIGHT = 430
 
@@ -46,7 +48,7 @@ def arms_figure(events: list[RoundEvent], strategy: str = "") -> go.Figure:
         pulls = {n: sum(e.drafter == n for e in events) for n in names}
         hover = {n: "single drafter: no bandit" for n in names}
     data = [dict(type="bar", orientation="h", y=names, x=[pulls[n] for n in names],
-                 marker=dict(color=[colors[n] for n in names]), text=[pulls[n] for n in names], textposition="auto",
+                 marker=dict(color=[colors[n] for n in names]), text=[str(pulls[n]) for n in names], textposition="auto",
                  hovertext=[hover[n] for n in names], hoverinfo="y+text", showlegend=False, xaxis="x", yaxis="y")]
     rounds = [e.index for e in events]
     for i, n in enumerate(names):
@@ -66,7 +68,7 @@ def arms_figure(events: list[RoundEvent], strategy: str = "") -> go.Figure:
     heading = dict(xref="paper", yref="paper", showarrow=False, font=dict(size=12), xanchor="left")
     categories = dict(type="category", categoryorder="array", categoryarray=names[::-1])
     layout = dict(
-        height=HEIGHT, margin=dict(l=100, r=12, t=76, b=40), template="plotly_white",
+        height=HEIGHT, margin=dict(l=100, r=12, t=76, b=40),
         legend=dict(orientation="h", x=1, xanchor="right", y=1.09, yanchor="bottom", font=dict(size=11)),
         xaxis=dict(domain=[0, 0.3], anchor="y", rangemode="tozero"), yaxis=dict(domain=[0.6, 1], anchor="x", **categories),
         xaxis2=dict(domain=[0.42, 1], anchor="y2"), yaxis2=dict(domain=[0.6, 1], anchor="x2"),
@@ -79,7 +81,7 @@ def arms_figure(events: list[RoundEvent], strategy: str = "") -> go.Figure:
     if not events:
         layout["annotations"].append(dict(xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
                                           text="run a prompt to see the bandit"))
-    return go.Figure(data=data, layout=layout)
+    return figure(data, layout)
 
 
 def build_arms() -> dict[str, gr.components.Component]:

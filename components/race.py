@@ -8,6 +8,7 @@ import plotly.graph_objects as go
 
 from flashspec_core import RoundEvent
 
+from components.figures import figure
 from components.tokens import EMPTY
 
 LEGS = ("plain", "speculative")
@@ -52,11 +53,11 @@ def tokens_over_time_figure(legs: dict[str, list[RoundEvent]]) -> go.Figure:
             data.append(dict(type="scatter", mode="lines+markers", name=name, line=dict(color=COLORS[name]),
                              marker=dict(size=4), x=[0.0] + [e.elapsed_s for e in events],
                              y=[0] + [e.new_tokens for e in events]))
-    layout = dict(height=320, margin=dict(l=50, r=12, t=44, b=40), template="plotly_white",
+    layout = dict(height=320, margin=dict(l=50, r=12, t=44, b=40),
                   xaxis=dict(title=dict(text="seconds since the stream started (prefill included)"), rangemode="tozero"),
                   yaxis=dict(title=dict(text="tokens"), rangemode="tozero"),
                   legend=dict(orientation="h", x=1, xanchor="right", y=1.02, yanchor="bottom"))
-    return go.Figure(data=data, layout=layout)
+    return figure(data, layout)
 
 
 def build_race() -> dict[str, gr.components.Component]:
