@@ -117,7 +117,7 @@ def _acquire(slot: engine_cache.Slot):
         slot.lock.acquire()
 
 
-def _stream(slot, prompt, settings: RunSettings, mode: str):
+def open_stream(slot, prompt, settings: RunSettings, mode: str):
     """The engine's stream for one run (or one race leg), after clearing the drafters' memory of earlier
     generations: another session's text must never come back as this one's drafts, and the speculative leg
     of a race must not draft from the plain leg's output."""
@@ -144,7 +144,7 @@ def run_stream(state: Session, prompt: str, example: str = "", keep_rejected: bo
         yield failure(e)
         return
     try:
-        stream = _stream(slot, prompt, settings, "speculative")
+        stream = open_stream(slot, prompt, settings, "speculative")
         yield {"tokens": EMPTY, "stream_stats": "&nbsp;", "arms_plot": arms_figure([]), "status": "Generating …"}
         plotted = time.perf_counter()
         for events, done in throttled(stream, TEXT_INTERVAL_S):
@@ -187,7 +187,7 @@ def run_race(state: Session, prompt: str, example: str = "", keep_rejected: bool
         yield {"plain_tokens": EMPTY, "spec_tokens": EMPTY, "plain_stats": "&nbsp;", "spec_stats": "&nbsp;",
                "race_summary": race_summary({}, {}, None, True), "race_plot": tokens_over_time_figure({})}
         for mode, pane in (("plain", "plain"), ("speculative", "spec")):
-            for events, done in throttled(_stream(slot, prompt, settings, mode), TEXT_INTERVAL_S):
+            for events, done in throttled(open_stream(slot, prompt, settings, mode), TEXT_INTERVAL_S):
                 yield {f"{pane}_tokens": tokens_html(events, live=not done, keep_rejected=keep_rejected),
                        f"{pane}_stats": stats_markdown(stream_stats(events), live=not done),
                        "status": f"Racing: {mode} decoding, {events[-1].new_tokens if events else 0} tokens"}

@@ -63,7 +63,7 @@ def test_unexpected_errors_are_reported_too(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(handlers, "_stream", broken)
+    monkeypatch.setattr(handlers, "open_stream", broken)
     _, last = drain(run_stream(Session(), PROMPT, **SETTINGS))
     assert "Error (RuntimeError):** out of memory" in last["status"]
     assert "ModelUnavailable" not in error_message(ModelUnavailableError("x"))
