@@ -12,6 +12,7 @@ import csv
 import json
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -76,10 +77,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", default="auto")
     ap.add_argument("--only", nargs="*", help="prompt kinds to run (default: all)")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate() rows")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", help="auto = float32 on the CPU, bfloat16 on CUDA")
     args = ap.parse_args(argv)
     gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
 
-    engine = Engine.from_preset(args.preset)
+    engine = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype)
     prompts = json.loads((ROOT / "assets" / "examples.json").read_text())
     if args.only:
         prompts = [p for p in prompts if p["kind"] in args.only]
@@ -89,9 +92,14 @@ def main(argv=None) -> int:
     hf = [] if args.no_hf else [("hf:generate", {}), ("hf:prompt_lookup_10", dict(prompt_lookup_num_tokens=10))]
 
     run_engine(engine, "Hello!", 8, args.seed)  # warm up allocators and the cost model
+    on_cuda = engine.target.device.type == "cuda"
     rows = []
     for p in prompts:
         max_new = args.max_new_tokens or p.get("max_new_tokens", 128)
+        if on_cuda:  # capture this prompt's CUDA graphs and compile kernels outside the timed runs
+            run_engine(engine, p["prompt"], max_new, args.seed, gamma=gamma)
+            if hf:
+                run_hf(engine, p["prompt"], 16)
         plain = None
         for name, kw in configs + hf:
             r = run_hf(engine, p["prompt"], max_new, **kw) if name.startswith("hf:") else run_engine(
@@ -105,7 +113,10 @@ def main(argv=None) -> int:
     env = environment()
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}"
-    payload = {"command": "python -m benchmarks.run " + " ".join(argv or []), "preset": args.preset,
+    from flashspec_core.engine import paths
+
+    env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine))
+    payload = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
                "seed": args.seed, "gamma": gamma, "env": env, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2))
     fields = ["prompt", "config", "tokens", "seconds", "tok_per_s", "speedup", "acceptance", "tokens_per_forward",
@@ -121,7 +132,8 @@ def main(argv=None) -> int:
 
 def table(rows, env) -> str:
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    lines = [f"{env['machine']}, {env['threads']} threads, torch {env['torch']}, transformers {env['transformers']}, "
+    where = env["cuda"] or f"{env['machine']}, {env['threads']} threads"
+    lines = [f"{where}, {env['dtype']}, {env['paths']['target']}, torch {env['torch']}, transformers {env['transformers']}, "
              f"commit {env['commit']}", "",
              "| prompt | config | tokens | tok/s | speedup vs own plain | acceptance | tokens/target forward | same ids as plain |",
              "|---|---|---:|---:|---:|---:|---:|---|"]

