@@ -57,6 +57,8 @@ def build_app() -> gr.Blocks:
                                     outputs(ui, RACE_OUTPUTS), **RUNS, **progress)
         ui["stop_btn"].click(bind(handlers.stop, ui, ["state"]), outputs(ui, ["state"]),
                              outputs(ui, ["status"]), cancels=[run, race])
+        ui["keep_rejected"].change(bind(handlers.show_rejected, ui, ["state", "keep_rejected"]),
+                                   outputs(ui, ["state", "keep_rejected"]), outputs(ui, ["tokens"]))
         ui["clear_runs"].click(bind(handlers.clear_runs, ui, ["state"]), outputs(ui, ["state"]),
                                outputs(ui, ["runs_table", "download_csv", "download_json", "state", "status"]))
         ui["example"].change(bind(handlers.pick_example, ui, ["example"]), outputs(ui, ["example"]),

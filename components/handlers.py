@@ -39,11 +39,12 @@ class Session:
     """One browser session's state: its finished runs and where their exports are written."""
     runs: list[dict] = field(default_factory=list)  # run_record() rows, oldest first
     export_dir: str = ""  # a temp folder, made on the first export
-    started: int = 0  # runs and races started, for their ids
+    finished: int = 0  # runs and races finished, for their ids
+    last_events: list = field(default_factory=list)  # the last Run's round events, to re-render its text
 
     def next_id(self, kind: str) -> str:
-        self.started += 1
-        return f"{kind} {self.started}"
+        self.finished += 1
+        return f"{kind} {self.finished}"
 
     def exports(self) -> tuple[Path, Path]:
         if not self.export_dir:
@@ -105,16 +106,17 @@ def table_updates(state: Session) -> dict:
 # Shared steps of the run handlers (generators: they yield status updates and return their result)
 
 
-def _load(settings: RunSettings, progress):
-    report = (lambda fraction, message: progress(fraction, desc=message)) if progress is not None else None
+def _prepare(values: dict, progress):
+    """Parse the pickers, load the engine (once), take its lock; yields status lines, returns (settings, slot).
+    The caller releases slot.lock."""
+    settings = parse_settings(**values)
     yield {"status": f"Loading {html.escape(settings.pair.label)} …"}
-    return engine_cache.get_engine(settings.pair, settings.backend, report)
-
-
-def _acquire(slot: engine_cache.Slot):
+    report = (lambda fraction, message: progress(fraction, desc=message)) if progress is not None else None
+    slot = engine_cache.get_engine(settings.pair, settings.backend, report)
     if not slot.lock.acquire(blocking=False):
-        yield {"status": "Waiting for another session's run on this model to finish …"}
+        yield {"status": "Waiting for the model: another run (or the start-up warm-up) is using it …"}
         slot.lock.acquire()
+    return settings, slot
 
 
 def open_stream(slot, prompt, settings: RunSettings, mode: str):
@@ -137,9 +139,7 @@ def run_stream(state: Session, prompt: str, example: str = "", keep_rejected: bo
     """Speculative decoding of one prompt: the text round by round, the bandit figure, then a runs-table row."""
     yield {"status": "Starting …", "tabs": gr.Tabs(selected="stream")}
     try:
-        settings = parse_settings(**values)
-        slot = yield from _load(settings, progress)
-        yield from _acquire(slot)
+        settings, slot = yield from _prepare(values, progress)
     except Exception as e:  # noqa: BLE001 - every failure goes to the status line
         yield failure(e)
         return
@@ -163,6 +163,7 @@ def run_stream(state: Session, prompt: str, example: str = "", keep_rejected: bo
     finally:
         slot.lock.release()
     stats = stream_stats(events)
+    state.last_events = events
     run = state.next_id("run")
     state.runs.append(run_record(run, "speculative", settings.record(), stats, example_name(prompt, example)))
     yield {"tokens": tokens_html(events, live=False, keep_rejected=keep_rejected),
@@ -176,9 +177,7 @@ def run_race(state: Session, prompt: str, example: str = "", keep_rejected: bool
     """Plain decoding, then speculative decoding, of the same prompt and seed; speedup and tokens over time."""
     yield {"status": "Starting the race …", "tabs": gr.Tabs(selected="race")}
     try:
-        settings = parse_settings(**values)
-        slot = yield from _load(settings, progress)
-        yield from _acquire(slot)
+        settings, slot = yield from _prepare(values, progress)
     except Exception as e:  # noqa: BLE001 - every failure goes to the status line
         yield failure(e)
         return
@@ -213,6 +212,13 @@ def run_race(state: Session, prompt: str, example: str = "", keep_rejected: bool
 def stop(state: Session) -> dict:
     """After the Stop button cancelled a run: say so."""
     return {"status": "Stopped. The next run starts fresh."}
+
+
+def show_rejected(state: Session, keep_rejected: bool) -> dict:
+    """Re-render the last run's text with or without every round's rejected drafts."""
+    if not state.last_events:
+        return {}
+    return {"tokens": tokens_html(state.last_events, live=False, keep_rejected=keep_rejected)}
 
 
 def clear_runs(state: Session) -> dict:

@@ -151,3 +151,20 @@ def test_bad_model_id_shows_a_message_then_a_normal_run_works(page):
     page.screenshot(path=str(ARTIFACTS / "runs.png"), full_page=True)
     grid = page.get_by_role("grid", name="Runs in this session")
     assert grid.get_attribute("aria-rowcount") == "5"  # a header, the run, the race's two legs, this run
+
+
+def test_stop_cancels_a_run_and_the_next_one_works(page):
+    set_max_tokens(page, 400)
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.wait_for_function("document.querySelector('#status').innerText.includes('Generating … round')")
+    assert "Stopped" in click_and_wait(page, "Stop", "Stopped")
+    set_max_tokens(page, 8)
+    assert "tok/s" in click_and_wait(page, "Run", "Done")  # the engine's lock was released
+
+
+def test_each_browser_session_has_its_own_runs(page, app_url):
+    other = page.context.browser.new_page()
+    other.goto(app_url)
+    other.get_by_role("tab", name="Runs").click()
+    assert other.get_by_role("grid", name="Runs in this session").get_attribute("aria-rowcount") == "1"
+    other.close()

@@ -8,7 +8,8 @@ from fake_events import make_event
 
 import app
 from components import handlers
-from components.handlers import Session, error_message, pick_example, pick_pair, run_race, run_stream, throttled
+from components.handlers import (Session, error_message, pick_example, pick_pair, run_race, run_stream, show_rejected,
+                                 throttled)
 from flashspec_core import ModelUnavailableError
 
 SETTINGS = dict(pair="embedded", target="", draft="", roles=["prompt_lookup", "ngram_cache"], gamma_auto=False,
@@ -40,6 +41,9 @@ def test_run_streams_tokens_then_records_the_run(embedded_slot):
     assert len(last["runs_table"]) == 1
     assert last["download_csv"]["value"].endswith(".csv") and last["download_json"]["interactive"]
     assert not embedded_slot.lock.locked()
+    assert show_rejected(state, True)["tokens"].count("tok-rejected") >= show_rejected(state, False)["tokens"].count(
+        "tok-rejected") == 0
+    assert show_rejected(Session(), True) == {}
 
 
 def test_errors_reach_the_status_line_and_the_next_run_works(embedded_slot, monkeypatch):
@@ -86,7 +90,7 @@ def test_a_run_waits_for_the_engine_lock(embedded_slot):
     embedded_slot.lock.acquire()
     gen = run_stream(Session(), PROMPT, **SETTINGS)
     statuses = [next(gen)["status"], next(gen)["status"], next(gen)["status"]]
-    assert statuses[-1].startswith("Waiting for another session")
+    assert statuses[-1].startswith("Waiting for the model")
     timer = threading.Timer(0.2, embedded_slot.lock.release)
     timer.start()
     _, last = drain(gen)
