@@ -8,7 +8,7 @@ own runs table in a gr.State.
 """
 from __future__ import annotations
 
-from components.wiring import bind, gpu, outputs  # first: imports `spaces` (Hugging Face ZeroGPU) if present
+from components.wiring import wire  # first: imports `spaces` (Hugging Face ZeroGPU) if present
 
 import threading
 
@@ -51,20 +51,16 @@ def build_app() -> gr.Blocks:
                         ui |= build_runs()
 
         progress = dict(show_progress_on=[ui["status"]])  # the loading bar covers the status line, not the text
-        run = ui["run_btn"].click(gpu(bind(handlers.run_stream, ui, RUN_INPUTS)), outputs(ui, RUN_INPUTS),
-                                  outputs(ui, STREAM_OUTPUTS), **RUNS, **progress)
-        race = ui["race_btn"].click(gpu(bind(handlers.run_race, ui, RUN_INPUTS)), outputs(ui, RUN_INPUTS),
-                                    outputs(ui, RACE_OUTPUTS), **RUNS, **progress)
-        ui["stop_btn"].click(bind(handlers.stop, ui, ["state"]), outputs(ui, ["state"]),
-                             outputs(ui, ["status"]), cancels=[run, race])
-        ui["keep_rejected"].change(bind(handlers.show_rejected, ui, ["state", "keep_rejected"]),
-                                   outputs(ui, ["state", "keep_rejected"]), outputs(ui, ["tokens"]))
-        ui["clear_runs"].click(bind(handlers.clear_runs, ui, ["state"]), outputs(ui, ["state"]),
-                               outputs(ui, ["runs_table", "download_csv", "download_json", "state", "status"]))
-        ui["example"].change(bind(handlers.pick_example, ui, ["example"]), outputs(ui, ["example"]),
-                             outputs(ui, ["prompt", "max_new_tokens"]))
-        ui["pair"].change(bind(handlers.pick_pair, ui, ["pair"]), outputs(ui, ["pair"]),
-                          outputs(ui, ["custom_row", "roles"]))
+        run = wire(ui["run_btn"].click, handlers.run_stream, ui, RUN_INPUTS, STREAM_OUTPUTS, on_gpu=True,
+                   **RUNS, **progress)
+        race = wire(ui["race_btn"].click, handlers.run_race, ui, RUN_INPUTS, RACE_OUTPUTS, on_gpu=True,
+                    **RUNS, **progress)
+        wire(ui["stop_btn"].click, handlers.stop, ui, ["state"], ["status"], cancels=[run, race])
+        wire(ui["keep_rejected"].change, handlers.show_rejected, ui, ["state", "keep_rejected"], ["tokens"])
+        wire(ui["clear_runs"].click, handlers.clear_runs, ui, ["state"],
+             ["runs_table", "download_csv", "download_json", "state", "status"])
+        wire(ui["example"].change, handlers.pick_example, ui, ["example"], ["prompt", "max_new_tokens"])
+        wire(ui["pair"].change, handlers.pick_pair, ui, ["pair"], ["custom_row", "roles"])
     return demo
 
 

@@ -1,5 +1,5 @@
 """Connects name-keyed handlers to components: inputs are passed by name, yielded {name: value} updates are
-mapped to {component: value}. Also the Hugging Face Spaces GPU decorator, a no-op where `spaces` is absent.
+mapped to {component: value}; `wire` attaches such a handler to an event. Also the Hugging Face Spaces GPU decorator, a no-op where `spaces` is absent.
 """
 from __future__ import annotations
 
@@ -51,5 +51,7 @@ def bind(handler, ui: dict, inputs: list[str]):
     return callback
 
 
-def outputs(ui: dict, names) -> list:
-    return [ui[n] for n in names]
+def wire(listener, handler, ui: dict, inputs: list[str], outputs: list[str], on_gpu: bool = False, **kwargs):
+    """Attach handler to an event listener (e.g. button.click), inputs and outputs given by name."""
+    fn = bind(handler, ui, inputs)
+    return listener(gpu(fn) if on_gpu else fn, [ui[n] for n in inputs], [ui[n] for n in outputs], **kwargs)

@@ -3,7 +3,7 @@ import inspect
 import gradio as gr
 import pytest
 
-from components.wiring import bind
+from components.wiring import bind, wire
 
 
 def test_generator_handler_gets_named_inputs_and_its_updates_are_mapped():
@@ -42,3 +42,11 @@ def test_plain_function_without_progress():
 def test_misnamed_inputs_fail_at_build_time():
     with pytest.raises(TypeError, match="unexpected keyword argument 'b'"):
         bind(lambda a: {}, {}, ["a", "b"])
+
+
+def test_wire_looks_components_up_by_name():
+    ui = {"a": "A", "out": "OUT"}
+    calls = []
+    wire(lambda fn, inputs, outputs, **kw: calls.append((fn(1), inputs, outputs, kw)), lambda a: {"out": a},
+         ui, ["a"], ["out"], concurrency_limit=1)
+    assert calls == [({"OUT": 1}, ["A"], ["OUT"], {"concurrency_limit": 1})]
