@@ -16,9 +16,12 @@ class CostModel:
     def __init__(self, decay: float = 0.8):
         self.decay = decay
         self.seconds: dict[int, float] = {}
+        self.known: list[int] = []  # sorted keys of `seconds`
 
     def observe(self, tokens: int, seconds: float) -> None:
         old = self.seconds.get(tokens)
+        if old is None:
+            self.known = sorted([*self.known, tokens])
         self.seconds[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
     def forward(self, tokens: int) -> float:
@@ -27,7 +30,7 @@ class CostModel:
             return 0.0
         if tokens in self.seconds:
             return self.seconds[tokens]
-        known = sorted(self.seconds)
+        known = self.known
         lo = max((t for t in known if t < tokens), default=None)
         hi = min((t for t in known if t > tokens), default=None)
         if lo is not None and hi is not None:
@@ -70,7 +73,5 @@ def best_gamma(a: float, draft_step_s: float, costs: CostModel, max_gamma: int) 
     if costs.plain_step() <= 0:
         return min(4, max_gamma)
 
-    def rate(k):
-        return expected_tokens(a, k) / (k * draft_step_s + costs.forward(k + 1))
-
-    return max(range(1, max_gamma + 1), key=rate)
+    rates = [expected_tokens(a, k) / (k * draft_step_s + costs.forward(k + 1)) for k in range(1, max_gamma + 1)]
+    return 1 + rates.index(max(rates))
