@@ -10,6 +10,7 @@ import html
 import logging
 import tempfile
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -21,6 +22,7 @@ from flashspec_core.engine import summarize
 
 from components import engine_cache
 from components.arms import arms_figure
+from components.background import in_background
 from components.prompt import READY, example_by_name, load_examples
 from components.race import race_summary, same_tokens, speedup, tokens_over_time_figure
 from components.runs import export_runs, run_record, runs_frame
@@ -29,8 +31,8 @@ from components.tokens import EMPTY, stats_markdown, tokens_html
 
 log = logging.getLogger(__name__)
 
-TEXT_INTERVAL_S = 0.1  # at most this often the text and stats are re-sent while a stream runs
-PLOT_INTERVAL_S = 0.6  # the bandit figure costs more to build and send: less often
+TEXT_INTERVAL_S = 0.2  # how often the text and stats are re-sent while a stream runs
+PLOT_INTERVAL_S = 1.0  # the bandit figure costs more to build, send and draw: less often
 EXAMPLES = load_examples()
 
 
@@ -64,19 +66,6 @@ def error_message(e: BaseException) -> str:
     if isinstance(e, ValueError):
         return f"**Cannot run:** {text}"
     return f"**Error ({type(e).__name__}):** {text}. The app is still up: change the settings or try again."
-
-
-def throttled(events: Iterator[RoundEvent], interval: float, clock=time.perf_counter):
-    """Yield (events so far, done) at most every `interval` seconds while events arrive, and once at the end."""
-    seen: list[RoundEvent] = []
-    last = clock()
-    for ev in events:
-        seen.append(ev)
-        now = clock()
-        if now - last >= interval:
-            last = now
-            yield seen, False
-    yield seen, True
 
 
 def stream_stats(events: list[RoundEvent]) -> dict:
@@ -147,16 +136,17 @@ def run_stream(state: Session, prompt: str, example: str = "", keep_rejected: bo
         stream = open_stream(slot, prompt, settings, "speculative")
         yield {"tokens": EMPTY, "stream_stats": "&nbsp;", "arms_plot": arms_figure([]), "status": "Generating …"}
         plotted = time.perf_counter()
-        for events, done in throttled(stream, TEXT_INTERVAL_S):
-            if done:
-                break
-            update = {"tokens": tokens_html(events, live=True, keep_rejected=keep_rejected),
-                      "stream_stats": stats_markdown(stream_stats(events), live=True),
-                      "status": f"Generating … round {len(events)}, {events[-1].new_tokens} tokens"}
-            if time.perf_counter() - plotted >= PLOT_INTERVAL_S:
-                update["arms_plot"] = arms_figure(events, settings.bandit)
-                plotted = time.perf_counter()
-            yield update
+        with closing(in_background(stream, TEXT_INTERVAL_S)) as updates:  # closed (worker joined) before unlocking
+            for events, done in updates:
+                if done:
+                    break
+                update = {"tokens": tokens_html(events, live=True, keep_rejected=keep_rejected),
+                          "stream_stats": stats_markdown(stream_stats(events), live=True),
+                          "status": f"Generating … round {len(events)}, {events[-1].new_tokens} tokens"}
+                if time.perf_counter() - plotted >= PLOT_INTERVAL_S:
+                    update["arms_plot"] = arms_figure(events, settings.bandit)
+                    plotted = time.perf_counter()
+                yield update
     except Exception as e:  # noqa: BLE001 - every failure goes to the status line
         yield failure(e)
         return
@@ -186,10 +176,11 @@ def run_race(state: Session, prompt: str, example: str = "", keep_rejected: bool
         yield {"plain_tokens": EMPTY, "spec_tokens": EMPTY, "plain_stats": "&nbsp;", "spec_stats": "&nbsp;",
                "race_summary": race_summary({}, {}, None, True), "race_plot": tokens_over_time_figure({})}
         for mode, pane in (("plain", "plain"), ("speculative", "spec")):
-            for events, done in throttled(open_stream(slot, prompt, settings, mode), TEXT_INTERVAL_S):
-                yield {f"{pane}_tokens": tokens_html(events, live=not done, keep_rejected=keep_rejected),
-                       f"{pane}_stats": stats_markdown(stream_stats(events), live=not done),
-                       "status": f"Racing: {mode} decoding, {events[-1].new_tokens if events else 0} tokens"}
+            with closing(in_background(open_stream(slot, prompt, settings, mode), TEXT_INTERVAL_S)) as updates:
+                for events, done in updates:
+                    yield {f"{pane}_tokens": tokens_html(events, live=not done, keep_rejected=keep_rejected),
+                           f"{pane}_stats": stats_markdown(stream_stats(events), live=not done),
+                           "status": f"Racing: {mode} decoding, {events[-1].new_tokens if events else 0} tokens"}
             legs[mode] = events
     except Exception as e:  # noqa: BLE001 - every failure goes to the status line
         yield failure(e)

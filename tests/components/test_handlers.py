@@ -4,12 +4,10 @@ import re
 import threading
 
 import pytest
-from fake_events import make_event
 
 import app
 from components import handlers
-from components.handlers import (Session, error_message, pick_example, pick_pair, run_race, run_stream, show_rejected,
-                                 throttled)
+from components.handlers import (Session, error_message, pick_example, pick_pair, run_race, run_stream, show_rejected)
 from flashspec_core import ModelUnavailableError
 
 SETTINGS = dict(pair="embedded", target="", draft="", roles=["prompt_lookup", "ngram_cache"], gamma_auto=False,
@@ -124,12 +122,6 @@ def test_concurrent_sessions_do_not_corrupt_each_other(embedded_slot):
         t.join(120)
     assert results == alone and all(alone)  # greedy: the same text; the bandit's picks may differ (timing)
     assert [len(s.runs) for s in sessions] == [1, 1]
-
-
-def test_throttled_yields_on_a_cadence_and_at_the_end():
-    ticks = iter([0.0, 0.05, 0.11, 0.15, 0.3, 0.31])
-    out = [(len(evs), done) for evs, done in throttled(iter([make_event(i) for i in range(5)]), 0.1, lambda: next(ticks))]
-    assert out == [(2, False), (4, False), (5, True)]
 
 
 def test_pickers():

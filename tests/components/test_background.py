@@ -1,0 +1,50 @@
+import threading
+import time
+
+import pytest
+
+from components.background import in_background
+
+
+def slow(n, delay=0.005, log=None):
+    try:
+        for i in range(n):
+            time.sleep(delay)
+            yield i
+    finally:
+        if log is not None:
+            log.append("closed")
+
+
+def test_every_item_arrives_in_order_and_the_last_update_is_complete():
+    updates = list(in_background(slow(40), 0.05))
+    assert updates[-1] == (list(range(40)), True)
+    assert all(not done and items == list(range(len(items))) for items, done in updates[:-1])
+    lengths = [len(items) for items, _ in updates]
+    assert lengths == sorted(set(lengths))  # only new rounds make an update
+
+
+def test_updates_come_at_the_interval_not_per_item():
+    t0 = time.perf_counter()
+    updates = list(in_background(slow(60, 0.005), 0.1))
+    elapsed = time.perf_counter() - t0
+    assert 1 <= len(updates) <= elapsed / 0.1 + 2
+
+
+def test_errors_in_the_stream_reach_the_consumer():
+    def broken():
+        yield 1
+        raise ValueError("bad round")
+
+    with pytest.raises(ValueError, match="bad round"):
+        list(in_background(broken(), 0.01))
+
+
+def test_closing_stops_the_worker_and_closes_the_stream():
+    log = []
+    updates = in_background(slow(10_000, 0.002, log), 0.02)
+    items, done = next(updates)
+    assert not done and items
+    updates.close()
+    assert log == ["closed"]
+    assert not any(t.name == "flashspec-stream" for t in threading.enumerate())
