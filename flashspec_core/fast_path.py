@@ -1,8 +1,12 @@
 """`StaticCausalLM`: a drop-in `CausalLM` for the Llama family (Llama, SmolLM2, TinyLlama, Qwen2) with a static
 KV cache and, on CUDA, one CUDA graph per (token count, context bucket); `fast_or_eager` picks it or `CausalLM`.
 
-It runs its own compact forward over the Hugging Face model's parameters (shared, never copied) and matches
-HF's numerics op for op where they are defined (RMSNorm in float32, rotary tables from HF's own `inv_freq`).
+It runs its own compact forward over the Hugging Face model's parameters and matches HF's numerics up to rounding
+(RMSNorm in float32, rotary tables from HF's own `inv_freq`, attention scores rounded to the model dtype, softmax in
+float32). To launch fewer kernels it fuses a few ops whose results differ from HF's only in the last bit: one GEMM
+for q/k/v and one for gate/up (over concatenated copies of those weights, about 55% of a Llama's parameter bytes
+extra; `fuse=False` shares the HF weights instead), residual adds inside the o and down GEMMs (beta = 1),
+the attention scale and mask inside the scores GEMM, softmax rounding straight to the model dtype.
 Rollback is moving `length` back: attention masks every cache slot past each query's position, so stale
 entries are never read and are overwritten by the next forward. Positions and lengths live on the host;
 nothing in `forward` or `crop` waits for the device.
@@ -100,11 +104,14 @@ class StaticCausalLM:
     HF-eager numerics; on an H200 as fast as SDPA at a 512-token context, faster at 2000), sdpa beyond.
     prefill_chunk: longer forwards (prompts) run eagerly in chunks of this many tokens, which bounds the
     attention mask and activations.
+    fuse: one GEMM for q/k/v and one for gate/up over copies of those weights concatenated here (extra memory:
+    their bytes, e.g. 1.25 GB for a 1.1B Llama, 9.1 GB for an 8B); False runs separate GEMMs on the HF weights.
     """
 
     def __init__(self, model, vocab_size: int | None = None, *, max_len: int | None = None,
                  use_graphs: bool | None = None, ctx_buckets: tuple[int, ...] | None = None,
-                 max_graph_tokens: int = MAX_GRAPH_TOKENS, attention: str = "auto", prefill_chunk: int = 512):
+                 max_graph_tokens: int = MAX_GRAPH_TOKENS, attention: str = "auto", prefill_chunk: int = 512,
+                 fuse: bool = True):
         ok, reason = is_supported(model)
         if not ok:
             raise ValueError(f"StaticCausalLM cannot run this model: {reason}")
@@ -134,7 +141,8 @@ class StaticCausalLM:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.scaling = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
-        self.layers = [_Layer(layer) for layer in model.model.layers]  # views of the HF parameters
+        self.fuse = bool(fuse)
+        self.layers = [_Layer(layer, self.fuse) for layer in model.model.layers]
         self.embed = model.model.embed_tokens.weight
         self.norm = model.model.norm.weight
         self.lm_head = model.lm_head.weight  # the embedding itself when tied
@@ -146,7 +154,8 @@ class StaticCausalLM:
             self.neg_inf = torch.tensor(float("-inf"), dtype=self.dtype, device=self.device)
             self.zero = torch.tensor(0.0, dtype=self.dtype, device=self.device)
         self.batch = 0
-        self.k_cache: list[torch.Tensor] = []  # per layer [B, n_kv, capacity, D]
+        self.kv_cache: list[torch.Tensor] = []  # per layer [2, B, n_kv, capacity, D]
+        self.k_cache: list[torch.Tensor] = []  # per layer [B, n_kv, capacity, D], views of kv_cache
         self.v_cache: list[torch.Tensor] = []
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -186,9 +195,10 @@ class StaticCausalLM:
 
     def _allocate(self, batch: int) -> None:
         """(Re)allocate the caches and static inputs for `batch` rows; drops captured graphs."""
-        shape = (batch, self.n_kv, self.capacity, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        shape = (2, batch, self.n_kv, self.capacity, self.head_dim)  # k and v of a layer in one tensor
+        self.kv_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.k_cache = [kv[0] for kv in self.kv_cache]  # views
+        self.v_cache = [kv[1] for kv in self.kv_cache]
         self.static_ids = torch.zeros((batch, self.max_graph_tokens), dtype=torch.int64, device=self.device)
         self.static_pos = torch.zeros((self.max_graph_tokens,), dtype=torch.int64, device=self.device)
         self.graphs.clear()
@@ -296,11 +306,16 @@ class StaticCausalLM:
     # The transformer
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, S: int, keep: int) -> torch.Tensor:
-        """ids [B, T] at positions pos [T] (device); attends over cache slots [0, S); logits [B, keep, V_model]."""
+        """ids [B, T] at positions pos [T] (device); attends over cache slots [0, S); logits [B, keep, V_model].
+
+        Per layer at T = 1 (B = 1, math attention) this launches 19 ops: norm 2, qkv GEMM 1, rotary 4, cache write 1,
+        attention 4 (mask copy + scaled GEMM, softmax, GEMM), o GEMM into the residual 1, norm 2, gate/up GEMM 1,
+        SiLU and multiply 2, down GEMM into the residual 1. At T > 1 two reshapes of q and o add a copy each.
+        """
         B, T = ids.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         R = H // KV  # query heads per kv head
-        x = F.embedding(ids, self.embed)  # [B, T, hidden]
+        x = F.embedding(ids, self.embed).view(B * T, -1)  # [B*T, hidden], the residual stream, updated in place
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # [T, 1, D]
         # GQA without repeating K/V: the R query heads of a kv head become R * T query rows (row r * T + t)
         visible = self.slots[:S][None, :] <= pos.repeat(R)[:, None]  # [R*T, S]
@@ -308,48 +323,76 @@ class StaticCausalLM:
         math = self.attention == "math" or (self.attention == "auto" and T <= self.max_graph_tokens)
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
-            q = F.linear(h, layer.q, layer.q_bias).view(B, T, H, D)
-            k = F.linear(h, layer.k, layer.k_bias).view(B, T, KV, D)
-            v = F.linear(h, layer.v, layer.v_bias).view(B, T, KV, D)
-            qk = torch.cat((q, k), dim=2)  # [B, T, H + KV, D]: one rotary pass for both
-            qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # HF's q * cos + rotate_half(q) * sin, exactly
-            q, k = qk.split((H, KV), dim=2)
-            self.k_cache[i].index_copy_(2, pos, k.transpose(1, 2))
-            self.v_cache[i].index_copy_(2, pos, v.transpose(1, 2))
-            q = q.view(B, T, KV, R, D).permute(0, 2, 3, 1, 4).reshape(B, KV, R * T, D)
+            qkv = layer.qkv(h).view(B, T, H + 2 * KV, D)  # q, k, v heads side by side
+            qk = qkv[:, :, :H + KV]  # one rotary pass for q and k, in place
+            rot = qk.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)  # halves swapped: rotate_half up to sign
+            qk.mul_(cos).add_(rot.mul_(sin))  # HF's q * cos + rotate_half(q) * sin, exactly (sin carries the sign)
+            kv = qkv[:, :, H:].view(B, T, 2, KV, D).permute(2, 0, 3, 1, 4)  # [2, B, KV, T, D]
+            self.kv_cache[i].index_copy_(3, pos, kv)  # k and v in one write
+            q = qkv[:, :, :H].view(B, T, KV, R, D).permute(0, 2, 3, 1, 4).reshape(B, KV, R * T, D)
             o = self._attend(q, self.k_cache[i][:, :, :S], self.v_cache[i][:, :, :S], mask, math)
-            o = o.view(B, KV, R, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
-            x = x + F.linear(o, layer.o, layer.o_bias)
+            o = o.view(B, KV, R, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
+            _add_linear_(x, o, layer.o, layer.o_bias)
             h = self._rms_norm(x, layer.post_norm)
-            gate = F.linear(h, layer.gate, layer.gate_bias)
-            x = x + F.linear(F.silu(gate) * F.linear(h, layer.up, layer.up_bias), layer.down, layer.down_bias)
-        x = self._rms_norm(x[:, T - keep:], self.norm)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            _add_linear_(x, F.silu(gate, inplace=True).mul_(up), layer.down, layer.down_bias)
+        x = self._rms_norm(x.view(B, T, -1)[:, T - keep:], self.norm)
         return F.linear(x, self.lm_head, self.lm_head_bias)
 
     def _attend(self, q, k, v, mask, math: bool) -> torch.Tensor:
         """q [B, KV, R*T, D] over k, v [B, KV, S, D] with the additive mask [R*T, S] -> [B, KV, R*T, D]."""
         if not math:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-        scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling  # HF's eager_attention_forward, op for op
-        probs = F.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v)
+        # HF's eager_attention_forward (scores * scaling + mask, softmax in float32, cast, @ v) in fewer ops:
+        # one GEMM scales and adds the mask (copied into its output first), softmax rounds straight to q's dtype
+        B, KV, RT, D = q.shape
+        q, k, v = q.reshape(B * KV, RT, D), k.reshape(B * KV, -1, D), v.reshape(B * KV, -1, D)
+        scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=self.scaling)  # [B*KV, R*T, S]
+        return torch.bmm(F.softmax(scores, dim=-1), v).view(B, KV, RT, D)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """HF's RMSNorm: normalise in float32 (rms_norm upcasts half inputs), round to x's dtype, then scale."""
         return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
-class _Layer:
-    """One decoder layer's parameters (the HF tensors themselves; biases None where absent)."""
+def _add_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x += a @ weight.T (+ bias), in place: without a bias one GEMM reads and writes x (beta = 1)."""
+    if bias is None:
+        return x.addmm_(a, weight.t())
+    return x.add_(F.linear(a, weight, bias))
 
-    def __init__(self, layer):
+
+class _Projection:
+    """Linear layers applied to one input, outputs side by side [..., sum of out_features].
+
+    fused: one GEMM over a concatenated copy of the weights (and biases; zeros where a layer has none), made once
+    here; the HF parameters stay as they are. Unfused: one GEMM per layer on the HF weights, then a cat.
+    """
+
+    def __init__(self, linears, fuse: bool):
+        self.parts = [(m.weight, m.bias) for m in linears]
+        self.weight = self.bias = None
+        if fuse:
+            with torch.no_grad():
+                self.weight = torch.cat([w for w, _ in self.parts])
+                if any(b is not None for _, b in self.parts):
+                    self.bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in self.parts])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return torch.cat([F.linear(x, w, b) for w, b in self.parts], dim=-1)
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Layer:
+    """One decoder layer's parameters: the HF tensors (biases None where absent) and the q/k/v and gate/up
+    projections, fused or not."""
+
+    def __init__(self, layer, fuse: bool):
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
-        self.q, self.q_bias = attn.q_proj.weight, attn.q_proj.bias
-        self.k, self.k_bias = attn.k_proj.weight, attn.k_proj.bias
-        self.v, self.v_bias = attn.v_proj.weight, attn.v_proj.bias
+        self.qkv = _Projection((attn.q_proj, attn.k_proj, attn.v_proj), fuse)
         self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
-        self.gate, self.gate_bias = mlp.gate_proj.weight, mlp.gate_proj.bias
-        self.up, self.up_bias = mlp.up_proj.weight, mlp.up_proj.bias
+        self.gate_up = _Projection((mlp.gate_proj, mlp.up_proj), fuse)
         self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias

@@ -132,6 +132,31 @@ def test_long_prefill_in_chunks_through_sdpa_matches_hf(keep):
         StaticCausalLM(model, attention="flash")
 
 
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),
+    ("qwen2", {}),  # q/k/v biases
+    ("llama", {"attention_bias": True, "mlp_bias": True}),  # every projection biased: the unfused residual adds
+], ids=["llama", "qwen2", "llama-biases"])
+def test_fused_projections_match_unfused_and_hf_and_leave_hf_weights_alone(arch, overrides):
+    model = build(arch, seed=16, **overrides)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    fused, unfused = StaticCausalLM(model, max_len=64), StaticCausalLM(model, max_len=64, fuse=False)
+    assert fused.fuse and not unfused.fuse
+    layer, attn = fused.layers[0], model.model.layers[0].self_attn
+    assert layer.qkv.weight.shape == (attn.q_proj.out_features + 2 * attn.k_proj.out_features, 64)
+    assert layer.qkv.weight.data_ptr() != attn.q_proj.weight.data_ptr()  # a copy, not the HF storage
+    assert unfused.layers[0].qkv.weight is None and unfused.layers[0].gate_up.weight is None
+    seq = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(17)).tolist()[0]
+    for lm in (fused, unfused):
+        torch.testing.assert_close(lm.forward(torch.tensor([seq[:9]])), hf_logits(model, seq[:9], 9), atol=1e-4, rtol=1e-4)
+    for t in seq[9:]:
+        got = fused.forward(torch.tensor([[t]]))
+        torch.testing.assert_close(got, unfused.forward(torch.tensor([[t]])), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, hf_logits(model, seq, 1), atol=1e-4, rtol=1e-4)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), f"{name} changed"
+
+
 def test_overflowing_the_cache_raises():
     lm = StaticCausalLM(build("llama"), max_len=16)
     assert lm.context_window == 16 and lm.capacity >= 16 + 33
@@ -345,6 +370,18 @@ def test_graphs_match_eager_static_and_hf_bf16(shape):
         torch.testing.assert_close(graphs.forward(ids), eager.forward(ids), atol=0, rtol=0)
         graphs.crop(graphs.length - drop)
         eager.crop(eager.length - drop)
+
+
+@cuda
+def test_fused_graphs_match_unfused_in_bf16():
+    """Fusing q/k/v and gate/up changes only GEMM shapes: logits agree with the unfused path to bf16 rounding."""
+    model = build("qwen2", seed=18, std=0.05, device="cuda", dtype=torch.bfloat16, shape=SMOLLM2)
+    prompt = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(19)).tolist()
+    tokens = static_greedy(StaticCausalLM(model, max_len=256, fuse=False), prompt, 16)
+    fused = teacher_forced(StaticCausalLM(model, max_len=256), prompt, tokens)  # [16, V], graphs
+    unfused = teacher_forced(StaticCausalLM(model, max_len=256, fuse=False), prompt, tokens)
+    scale = unfused.abs().amax()
+    assert (fused - unfused).abs().amax() <= 0.05 * scale, f"{(fused - unfused).abs().amax():.4g} vs scale {scale:.4g}"
 
 
 @cuda
