@@ -5,10 +5,12 @@ K in {4, 8}, V in {32000, 49152, 128256} with a model drafter (draft_probs given
 beforehand and once drawn inside the call (what the engine does). Each shape is checked for identical outputs
 before it is timed. The bytes-moved floor reads p [B, K+1, V] and q [B, K, V] once at the device-to-device copy
 bandwidth measured at start; the kernel itself only touches one row of p, q and the noise per batch row (plus
-K gathered entries), so it can run below that floor: the `touched` floor is given beside it.
+K gathered entries), so it can run below that floor: the `touched` floor is given beside it. `variant` names the
+kernel that the default configuration ran (`row`: one program per row; `split NxC`: V in N chunks of C), and
+`row kernel us` times the one-program-per-row kernel as it was tuned (BLOCK_V 4096, 8 warps) on the same inputs.
 
     python -m benchmarks.kernels               # CUDA: table on stdout, JSON in benchmarks/results/
-    python -m benchmarks.kernels --sweep       # also time other (BLOCK_V, num_warps, num_stages) configurations
+    python -m benchmarks.kernels --sweep       # also time other (BLOCK_V, num_warps, num_stages, split) configurations
     python -m benchmarks.kernels --cpu-smoke   # one tiny shape under TRITON_INTERPRET=1: proves the script runs
 """
 from __future__ import annotations
@@ -35,16 +37,19 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 SHAPES = [(B, K, V) for V in (32000, 49152, 128256) for B in (1, 8, 32) for K in (4, 8)]
 SMOKE_SHAPES = [(2, 4, 1000)]
-SWEEP = [  # (BLOCK_V, num_warps, num_stages), one row per program; the default is (4096, 8, 1)
-    (1024, 4, 1), (2048, 8, 1), (4096, 8, 1), (8192, 16, 1),
-    (1024, 4, 3), (2048, 4, 3), (2048, 8, 3), (4096, 8, 2), (4096, 8, 3), (1024, 4, 6),
+SWEEP = [  # (BLOCK_V, num_warps, num_stages, programs per SM): 0 = one program streams a whole row (n_chunks = 1);
+    # otherwise V is split in n_chunks = ceil(programs per SM * SMs / B) chunks. The default is (2048, 4, 1, 4).
+    (4096, 8, 1, 0), (1024, 4, 3, 0),
+    (1024, 4, 1, 4), (2048, 4, 1, 4), (2048, 8, 1, 4), (4096, 8, 1, 4), (2048, 4, 2, 4),
+    (2048, 4, 1, 2), (2048, 4, 1, 8), (1024, 4, 1, 8),
 ]
+ROW_CONFIG = (1, 4096, 8, 1, 1)  # the one-program-per-row kernel as it was tuned: timed beside the default
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu-smoke", action="store_true", help="one tiny shape on the CPU under TRITON_INTERPRET=1")
-    parser.add_argument("--sweep", action="store_true", help="also time other (BLOCK_V, num_warps, num_stages) configurations")
+    parser.add_argument("--sweep", action="store_true", help="also time other (BLOCK_V, num_warps, num_stages, split) configurations")
     parser.add_argument("--out", type=Path, help="JSON path (default: benchmarks/results/kernels_<device>.json)")
     return parser.parse_args()
 
@@ -116,6 +121,12 @@ def graphed(fn):
         return None, f"{type(exc).__name__}: {exc}"[:200]
 
 
+def variant_name(kv, V, block_v, n_chunks) -> str:
+    """'row' when one program streams a whole row, else 'split <n_chunks>x<CHUNK>'."""
+    chunk, n_chunks = kv._chunking(V, block_v, n_chunks)
+    return "row" if n_chunks == 1 else f"split {n_chunks}x{chunk}"
+
+
 def bench_shape(kv, B, K, V, device, timer, bandwidth, sweep):
     """Timing rows (randoms pre-drawn and drawn inside) and optional launch-configuration rows for one shape."""
     draft, q, p, uniform, noise = make_inputs(kv, B, K, V, device)
@@ -137,11 +148,18 @@ def bench_shape(kv, B, K, V, device, timer, bandwidth, sweep):
             "triton": lambda: kv.verify_triton(draft, q, p, generator=g),
         },
     }
+    config = kv._launch_config(B, V, device)
+    row_fn = lambda: kv._verify_triton_launch(draft, q, p, uniform, noise, False, *ROW_CONFIG)  # noqa: E731
+    check = row_fn()
+    if not (torch.equal(ref.tokens, check.tokens) and torch.equal(ref.num_accepted, check.num_accepted)):
+        raise AssertionError(f"the one-program-per-row kernel disagrees at B={B} K={K} V={V}")
     rows = []
     for randoms, fns in calls.items():
         row = {"B": B, "K": K, "V": V, "randoms": randoms,
                "torch_us": timer(fns["torch"]), "triton_us": timer(fns["triton"]),
-               "floor_us": floor_us, "touched_floor_us": touched_us}
+               "floor_us": floor_us, "touched_floor_us": touched_us,
+               "variant": variant_name(kv, V, config[1], config[4]),
+               "triton_row_us": timer(row_fn) if randoms == "pre-drawn" else None}
         row["speedup"] = row["torch_us"] / row["triton_us"]
         row["triton_over_floor"] = row["triton_us"] / floor_us
         row["triton_over_touched"] = row["triton_us"] / touched_us
@@ -155,17 +173,24 @@ def bench_shape(kv, B, K, V, device, timer, bandwidth, sweep):
 
     sweep_rows = []
     if sweep:
-        for block_v, num_warps, num_stages in SWEEP:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        for block_v, num_warps, num_stages, per_sm in SWEEP:
+            n_chunks = -(-per_sm * sms // B) if per_sm else 1
+
             def fn():
-                return kv._verify_triton_launch(draft, q, p, uniform, noise, False, 1, block_v, num_warps, num_stages)  # noqa: B023
+                return kv._verify_triton_launch(draft, q, p, uniform, noise, False, 1, block_v, num_warps, num_stages,  # noqa: B023
+                                                n_chunks)  # noqa: B023
 
             check = fn()
             if not torch.equal(check.tokens, ref.tokens):
-                raise AssertionError(f"BLOCK_V={block_v} num_warps={num_warps} num_stages={num_stages} disagrees "
+                raise AssertionError(f"BLOCK_V={block_v} num_warps={num_warps} num_stages={num_stages} "
+                                     f"n_chunks={n_chunks} disagrees "
                                      f"at B={B} K={K} V={V}")
             us = timer(fn)
             sweep_rows.append({"B": B, "K": K, "V": V, "block_v": block_v, "num_warps": num_warps,
-                               "num_stages": num_stages, "triton_us": us, "triton_over_touched": us / touched_us})
+                               "num_stages": num_stages, "variant": variant_name(kv, V, block_v, n_chunks),
+                               "triton_us": us, "triton_over_floor": us / floor_us,
+                               "triton_over_touched": us / touched_us})
     return rows, sweep_rows
 
 
@@ -174,20 +199,22 @@ def fmt(x, spec=".1f"):
 
 
 def print_tables(rows, sweep_rows):
-    print("| B | K | V | randoms | torch us | triton us | speedup | floor us | triton/floor | touched us | triton/touched "
-          "| torch graph us | triton graph us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | K | V | randoms | variant | torch us | triton us | row kernel us | speedup | floor us | triton/floor "
+          "| touched us | triton/touched | torch graph us | triton graph us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['B']} | {r['K']} | {r['V']} | {r['randoms']} | {fmt(r['torch_us'])} | {fmt(r['triton_us'])} "
+        print(f"| {r['B']} | {r['K']} | {r['V']} | {r['randoms']} | {r['variant']} | {fmt(r['torch_us'])} "
+              f"| {fmt(r['triton_us'])} | {fmt(r['triton_row_us'])} "
               f"| {fmt(r['speedup'], '.2f')}x | {fmt(r['floor_us'])} | {fmt(r['triton_over_floor'], '.2f')} "
               f"| {fmt(r['touched_floor_us'])} | {fmt(r['triton_over_touched'], '.2f')} "
               f"| {fmt(r.get('torch_graph_us'))} | {fmt(r.get('triton_graph_us'))} |")
     if sweep_rows:
-        print("\n| B | K | V | BLOCK_V | num_warps | num_stages | triton us | triton/touched |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| B | K | V | variant | BLOCK_V | num_warps | num_stages | triton us | triton/floor | triton/touched |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in sweep_rows:
-            print(f"| {r['B']} | {r['K']} | {r['V']} | {r['block_v']} | {r['num_warps']} | {r['num_stages']} "
-                  f"| {fmt(r['triton_us'])} | {fmt(r['triton_over_touched'], '.2f')} |")
+            print(f"| {r['B']} | {r['K']} | {r['V']} | {r['variant']} | {r['block_v']} | {r['num_warps']} "
+                  f"| {r['num_stages']} | {fmt(r['triton_us'])} | {fmt(r['triton_over_floor'], '.2f')} "
+                  f"| {fmt(r['triton_over_touched'], '.2f')} |")
 
 
 def main():

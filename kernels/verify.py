@@ -5,6 +5,10 @@ accept draft token x_i with probability min(1, p_i(x) / q_i(x)); at the first re
 from norm(max(0, p_i - q_i)); after a full accept emit a bonus token from p_K. The emitted tokens then
 follow p exactly. `p` = target, `q` = draft, everywhere in this file.
 
+Two Triton kernels give the same result: `_verify_kernel` streams whole rows, one program each (enough when the
+rows alone fill the GPU); `_verify_split_kernel` also splits V in chunks over programs, in the same single launch,
+and the last program to finish a row reduces the chunks' partial maxima. The launcher picks between them.
+
 Layout follows the Triton tutorials: the pure-PyTorch reference first (it is the specification), then
 the Triton kernel, then its launcher with the same signature, then the backend switch.
 
@@ -16,6 +20,7 @@ Randomness is explicit so that backends can be compared bit for bit:
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -234,18 +239,183 @@ if triton is not None:
         tokens = tl.where(pos < n[:, None], x, tl.where(pos == n[:, None], final[:, None].to(tl.int64), -1))
         tl.store(tokens_ptr + rows[:, None] * stride_tb + pos * stride_tk, tokens, mask=in_b[:, None] & (pos < K + 1))
 
-    def _launch_config(B: int, V: int, device: torch.device) -> tuple[int, int, int, int]:
-        """(BLOCK_B, BLOCK_V, num_warps, num_stages). On CUDA one program per row, with wide V blocks to keep loads
-        in flight (`python -m benchmarks.kernels --sweep` times the alternatives); the interpreter runs programs
-        one after another in Python, so there each program takes many rows."""
+    @triton.jit
+    def _verify_split_kernel(
+        draft_tokens_ptr, draft_probs_ptr, target_probs_ptr, uniform_ptr, noise_ptr,
+        num_accepted_ptr, tokens_ptr, part_val_ptr, part_idx_ptr, count_ptr,
+        stride_db, stride_dk,
+        stride_qb, stride_qk, stride_qv,
+        stride_pb, stride_pk, stride_pv,
+        stride_ub, stride_uk,
+        stride_nb, stride_nv,
+        stride_tb, stride_tk,
+        B, K, n_chunks, V: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+        NUM_STAGES: tl.constexpr, HAS_Q: tl.constexpr, GREEDY: tl.constexpr,
+    ):
+        """The same result with V split over programs: grid (row blocks, n_chunks), one launch.
+
+        Each program redoes its rows' accept test (K gathered loads), reduces its CHUNK of the vocabulary to
+        partials in part_val/part_idx [B, n_chunks, SLOTS], and bumps its row block's counter; the program that
+        bumps it last reduces the n_chunks partials and writes the outputs. Sampled slots: 0 = max of w / noise and
+        its lowest index, 1 = max of the residual w (empty when <= 0), 2 = max of p_n / noise and its lowest index
+        (the fall-back). Greedy: slot k = max of p_k and its lowest index, for every position k <= K (which
+        position n is needed is only known once all chunks are in). Chunks cover disjoint index ranges, so the
+        lowest index among the chunk maxima that equal the overall maximum is the reference's argmax.
+        """
+        pid_b = tl.program_id(0)
+        chunk = tl.program_id(1)
+        rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)  # [BLOCK_B]
+        in_b = rows < B
+        rows = rows.to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)  # BLOCK_K >= K + 1
+        in_bk = in_b[:, None] & (offs_k < K)[None, :]  # [BLOCK_B, BLOCK_K]
+        x = tl.load(draft_tokens_ptr + rows[:, None] * stride_db + offs_k[None, :] * stride_dk, mask=in_bk, other=0)
+        p_rows = target_probs_ptr + rows * stride_pb
+        noise_rows = noise_ptr + rows * stride_nb
+        offs_v = tl.arange(0, BLOCK_V)
+        v_start = chunk * CHUNK
+        part = (rows * n_chunks + chunk) * SLOTS  # [BLOCK_B]: this program's partials
+
+        if GREEDY:
+            k = 0
+            while k <= K:  # a while loop: a runtime range() bound breaks the interpreter on numpy >= 2.4
+                p_k = p_rows + k * stride_pk
+                best = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
+                best_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)
+                for v0 in tl.range(0, CHUNK, BLOCK_V, num_stages=NUM_STAGES):
+                    v = v_start + v0 + offs_v
+                    m = in_b[:, None] & (v < V)[None, :]
+                    score = tl.load(p_k[:, None] + v[None, :] * stride_pv, mask=m, other=0.0)
+                    score = tl.where(m, score, float("-inf"))
+                    better = score > best
+                    best = tl.where(better, score, best)
+                    best_idx = tl.where(better, v[None, :], best_idx)
+                top = tl.max(best, axis=1)
+                tl.store(part_val_ptr + part + k, top, mask=in_b)
+                tl.store(part_idx_ptr + part + k, tl.min(tl.where(best == top[:, None], best_idx, 2147483647), axis=1),
+                         mask=in_b)
+                k += 1
+        else:
+            in_vocab = in_bk & (x >= 0) & (x < V)  # memory safety only: drafts must lie in [0, V)
+            p_x = tl.load(p_rows[:, None] + offs_k[None, :] * stride_pk + x * stride_pv, mask=in_vocab, other=0.0)
+            if HAS_Q:
+                q_x = tl.load(draft_probs_ptr + rows[:, None] * stride_qb + offs_k[None, :] * stride_qk
+                              + x * stride_qv, mask=in_vocab, other=0.0)
+            else:
+                q_x = tl.full((BLOCK_B, BLOCK_K), 1.0, tl.float32)
+            u = tl.load(uniform_ptr + rows[:, None] * stride_ub + offs_k[None, :] * stride_uk, mask=in_bk, other=0.0)
+            rejected = in_bk & ~(u * q_x < p_x)
+            n = tl.min(tl.where(rejected, offs_k[None, :], K), axis=1)  # first rejection; K after a full accept
+            has_draft = in_b & (n < K)
+            x_n = tl.load(draft_tokens_ptr + rows * stride_db + n * stride_dk, mask=has_draft, other=-1)
+            p_n = p_rows + n * stride_pk
+            q_n = draft_probs_ptr + rows * stride_qb + n * stride_qk
+            best = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
+            best_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)
+            fb = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)  # p_n / noise, for the fall-back
+            fb_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)
+            mass = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
+            for v0 in tl.range(0, CHUNK, BLOCK_V, num_stages=NUM_STAGES):
+                v = v_start + v0 + offs_v
+                m = in_b[:, None] & (v < V)[None, :]
+                p = tl.load(p_n[:, None] + v[None, :] * stride_pv, mask=m, other=0.0)
+                if HAS_Q:
+                    q = tl.load(q_n[:, None] + v[None, :] * stride_qv, mask=m & has_draft[:, None], other=0.0)
+                else:
+                    q = tl.where(v[None, :] == x_n[:, None], 1.0, 0.0)
+                e = tl.load(noise_rows[:, None] + v[None, :] * stride_nv, mask=m, other=1.0)
+                w = tl.maximum(p - q, 0.0)
+                mass = tl.maximum(mass, w)
+                score = tl.where(m, tl.math.div_rn(w, e), float("-inf"))
+                better = score > best
+                best = tl.where(better, score, best)
+                best_idx = tl.where(better, v[None, :], best_idx)
+                score = tl.where(m, tl.math.div_rn(p, e), float("-inf"))
+                better = score > fb
+                fb = tl.where(better, score, fb)
+                fb_idx = tl.where(better, v[None, :], fb_idx)
+            top = tl.max(best, axis=1)
+            tl.store(part_val_ptr + part, top, mask=in_b)
+            tl.store(part_idx_ptr + part, tl.min(tl.where(best == top[:, None], best_idx, 2147483647), axis=1), mask=in_b)
+            tl.store(part_val_ptr + part + 1, tl.max(mass, axis=1), mask=in_b)
+            top = tl.max(fb, axis=1)
+            tl.store(part_val_ptr + part + 2, top, mask=in_b)
+            tl.store(part_idx_ptr + part + 2, tl.min(tl.where(fb == top[:, None], fb_idx, 2147483647), axis=1), mask=in_b)
+
+        # all of this program's partial stores happen before its counter bump (barrier, then a release at gpu
+        # scope); the last program's acquire then sees every chunk's partials (read past L1: .cg)
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + pid_b, 1, sem="acq_rel", scope="gpu")
+        if done == n_chunks - 1:
+            offs_c = tl.arange(0, BLOCK_C)
+            in_bc = in_b[:, None] & (offs_c < n_chunks)[None, :]  # [BLOCK_B, BLOCK_C]
+            parts = (rows[:, None] * n_chunks + offs_c[None, :]) * SLOTS
+            if GREEDY:
+                n = tl.zeros((BLOCK_B,), tl.int32)
+                final = tl.zeros((BLOCK_B,), tl.int32)
+                active = in_b
+                c_k = 0
+                while c_k <= K:
+                    c_vals = tl.load(part_val_ptr + parts + c_k, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
+                    c_idx = tl.load(part_idx_ptr + parts + c_k, mask=in_bc, other=2147483647, cache_modifier=".cg")
+                    c_top = tl.max(c_vals, axis=1)
+                    c_best_k = tl.min(tl.where(c_vals == c_top[:, None], c_idx, 2147483647), axis=1)
+                    c_x_k = tl.load(draft_tokens_ptr + rows * stride_db + c_k * stride_dk, mask=active & (c_k < K), other=-1)
+                    final = tl.where(active, c_best_k, final)
+                    match = active & (c_k < K) & (c_best_k == c_x_k)
+                    n = tl.where(match, n + 1, n)
+                    active = match
+                    c_k += 1
+            else:
+                c_vals = tl.load(part_val_ptr + parts, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
+                c_idx = tl.load(part_idx_ptr + parts, mask=in_bc, other=2147483647, cache_modifier=".cg")
+                c_top = tl.max(c_vals, axis=1)
+                final = tl.min(tl.where(c_vals == c_top[:, None], c_idx, 2147483647), axis=1)
+                c_mass = tl.load(part_val_ptr + parts + 1, mask=in_bc, other=0.0, cache_modifier=".cg")
+                empty = tl.max(c_mass, axis=1) <= 0.0  # p == q: the residual is empty; fall back to p_n
+                c_vals = tl.load(part_val_ptr + parts + 2, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
+                c_idx = tl.load(part_idx_ptr + parts + 2, mask=in_bc, other=2147483647, cache_modifier=".cg")
+                c_top = tl.max(c_vals, axis=1)
+                c_fallback = tl.min(tl.where(c_vals == c_top[:, None], c_idx, 2147483647), axis=1)
+                final = tl.where(empty, c_fallback, final)
+            tl.store(num_accepted_ptr + rows, n.to(tl.int64), mask=in_b)
+            pos = offs_k[None, :]
+            tokens = tl.where(pos < n[:, None], x, tl.where(pos == n[:, None], final[:, None].to(tl.int64), -1))
+            tl.store(tokens_ptr + rows[:, None] * stride_tb + pos * stride_tk, tokens,
+                     mask=in_b[:, None] & (pos < K + 1))
+
+    @functools.lru_cache(maxsize=None)
+    def _num_sms(device_index: int) -> int:
+        return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+    def _chunking(V: int, block_v: int, n_chunks: int) -> tuple[int, int]:
+        """(CHUNK, n_chunks): at most `n_chunks` chunks of a multiple of block_v covering V, none of them empty."""
+        n_chunks = max(1, min(n_chunks, triton.cdiv(V, block_v)))
+        chunk = triton.cdiv(triton.cdiv(V, n_chunks), block_v) * block_v
+        return chunk, triton.cdiv(V, chunk)
+
+    def _launch_config(B: int, V: int, device: torch.device) -> tuple[int, int, int, int, int]:
+        """(BLOCK_B, BLOCK_V, num_warps, num_stages, n_chunks). On CUDA one row per program and V split in chunks so
+        that there are about 4 programs per SM (`python -m benchmarks.kernels --sweep` times the alternatives,
+        n_chunks = 1 included); the interpreter runs programs one after another in Python, so there each program
+        takes many rows, and V is split in a few chunks so that the split path is what the tests exercise."""
         if device.type == "cuda":
-            return 1, min(triton.next_power_of_2(V), 4096), 8, 1
-        block_v = min(triton.next_power_of_2(V), 8192)
-        return min(triton.next_power_of_2(B), max(1, 2**18 // block_v)), block_v, 1, 1
+            block_v = min(triton.next_power_of_2(V), 2048)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            _, n_chunks = _chunking(V, block_v, triton.cdiv(4 * _num_sms(index), B))
+            if n_chunks == 1:  # enough rows to fill the GPU: whole rows per program, as tuned before the split
+                return 1, min(triton.next_power_of_2(V), 4096), 8, 1, 1
+            return 1, block_v, 4, 1, n_chunks
+        block_v = min(triton.next_power_of_2(triton.cdiv(V, 3)), 8192)
+        return min(triton.next_power_of_2(B), max(1, 2**18 // block_v)), block_v, 1, 1, 3
 
     def _verify_triton_launch(draft_tokens, draft_probs, target_probs, uniform, noise, greedy,
-                              block_b: int, block_v: int, num_warps: int, num_stages: int = 1) -> VerifyResult:
-        """Allocate the outputs and launch once; inputs are checked and randoms drawn by the caller."""
+                              block_b: int, block_v: int, num_warps: int, num_stages: int = 1,
+                              n_chunks: int = 1) -> VerifyResult:
+        """Allocate the outputs and launch once; inputs are checked and randoms drawn by the caller. n_chunks == 1
+        runs `_verify_kernel` (a program streams whole rows); more runs `_verify_split_kernel` over at most that many
+        chunks of V (see `_chunking`), with a [B, n_chunks, SLOTS] scratch and a zeroed counter per row block."""
         B, K, V = draft_tokens.shape[0], draft_tokens.shape[1], target_probs.shape[2]
         num_accepted = torch.empty((B,), dtype=torch.int64, device=target_probs.device)
         tokens = torch.empty((B, K + 1), dtype=torch.int64, device=target_probs.device)
@@ -263,12 +433,27 @@ if triton is not None:
         q, q_strides = stand_in(draft_probs, torch.float32, 3)
         u, u_strides = stand_in(uniform, torch.float32, 2)
         e, e_strides = stand_in(noise, torch.float32, 2)
-        _verify_kernel[(triton.cdiv(B, block_b),)](
-            d, q, target_probs, u, e, num_accepted, tokens,
-            *d_strides, *q_strides, *target_probs.stride(), *u_strides, *e_strides, *tokens.stride(),
-            B, K, V,
-            BLOCK_B=block_b, BLOCK_K=triton.next_power_of_2(K + 1), BLOCK_V=block_v, NUM_STAGES=num_stages,
-            HAS_Q=draft_probs is not None, GREEDY=greedy,
+        strides = (*d_strides, *q_strides, *target_probs.stride(), *u_strides, *e_strides, *tokens.stride())
+        block_k = triton.next_power_of_2(K + 1)
+        chunk, n_chunks = _chunking(V, block_v, n_chunks)
+        if n_chunks == 1:
+            _verify_kernel[(triton.cdiv(B, block_b),)](
+                d, q, target_probs, u, e, num_accepted, tokens, *strides,
+                B, K, V,
+                BLOCK_B=block_b, BLOCK_K=block_k, BLOCK_V=block_v, NUM_STAGES=num_stages,
+                HAS_Q=draft_probs is not None, GREEDY=greedy,
+                num_warps=num_warps,
+            )
+            return VerifyResult(num_accepted=num_accepted, tokens=tokens)
+        slots = K + 1 if greedy else 3
+        part_val = torch.empty((B, n_chunks, slots), dtype=torch.float32, device=target_probs.device)
+        part_idx = torch.empty((B, n_chunks, slots), dtype=torch.int32, device=target_probs.device)
+        count = torch.zeros((triton.cdiv(B, block_b),), dtype=torch.int32, device=target_probs.device)
+        _verify_split_kernel[(triton.cdiv(B, block_b), n_chunks)](
+            d, q, target_probs, u, e, num_accepted, tokens, part_val, part_idx, count, *strides,
+            B, K, n_chunks, V, CHUNK=chunk, SLOTS=slots,
+            BLOCK_B=block_b, BLOCK_K=block_k, BLOCK_V=block_v, BLOCK_C=triton.next_power_of_2(n_chunks),
+            NUM_STAGES=num_stages, HAS_Q=draft_probs is not None, GREEDY=greedy,
             num_warps=num_warps,
         )
         return VerifyResult(num_accepted=num_accepted, tokens=tokens)

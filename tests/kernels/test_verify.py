@@ -140,6 +140,114 @@ def test_parity_across_launch_configurations(block_b, block_v, num_stages, draft
 
 
 # ----------------------------------------------------------------------------------------------------
+# V split over programs: partials per chunk, the last program to finish a row block reduces them
+
+
+def launch(case, greedy, block_b, block_v, n_chunks, num_stages=1):
+    return kv._verify_triton_launch(case["draft_tokens"], case["draft_probs"], case["target_probs"], case["uniform"],
+                                    case["noise"], greedy, block_b, block_v, 4, num_stages, n_chunks)
+
+
+SPLITS = [  # (B, K, V, BLOCK_B, BLOCK_V, n_chunks asked): chunk sizes and the partial last chunk are in the comments
+    (5, 4, 1000, 2, 128, 3),  # 3 chunks of 384, the last 232 wide; a partial last row block
+    (3, 8, 32003, 1, 4096, 3),  # 3 chunks of 12288, the last 7427 wide
+    (2, 1, 49152, 2, 4096, 4),  # 4 chunks of 12288 exactly
+    (4, 4, 1000, 4, 256, 100),  # more chunks asked than V blocks: 4 chunks of 256
+]
+
+
+@pytest.mark.parametrize("B,K,V,block_b,block_v,n_chunks", SPLITS)
+@pytest.mark.parametrize("drafter", ["model", "deterministic"])
+@pytest.mark.parametrize("greedy", [False, True])
+def test_parity_when_v_is_split_over_programs(B, K, V, block_b, block_v, n_chunks, drafter, greedy, device):
+    case = make_case(B, K, V, drafter=drafter, seed=seed_of("split", B, K, V, drafter, greedy), device=device)
+    chunk, used = kv._chunking(V, block_v, n_chunks)
+    assert used > 1 and chunk % block_v == 0 and (used - 1) * chunk < V <= used * chunk
+    assert_same(verify_torch(**case, greedy=greedy), launch(case, greedy, block_b, block_v, n_chunks),
+                f"B={B} K={K} V={V} BLOCK_B={block_b} BLOCK_V={block_v} {used} chunks of {chunk} {drafter} greedy={greedy}")
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_parity_when_a_large_vocabulary_is_split(greedy, device):
+    B, K, V = 2, 4, 128256
+    case = make_case(B, K, V, drafter="model", seed=seed_of("split-large", greedy), device=device)
+    assert_same(verify_torch(**case, greedy=greedy), launch(case, greedy, 2, 8192, 5), f"V={V} 5 chunks greedy={greedy}")
+
+
+def test_one_chunk_is_the_row_kernel_and_the_default_splits_here(device):
+    """n_chunks == 1 runs the one-program-per-row kernel; the default configuration on this device splits V,
+    so the parity grid above goes through the split kernel (on CUDA: when the rows alone do not fill the GPU)."""
+    assert kv._chunking(1000, 1024, 1) == (1024, 1) and kv._chunking(1000, 128, 1) == (1024, 1)
+    case = make_case(3, 4, 1000, drafter="model", seed=seed_of("one-chunk"), device=device)
+    assert_same(verify_torch(**case), launch(case, False, 1, 128, 1), "n_chunks=1, 8 blocks per row")
+    for V in (1000, 32003, 49152):
+        _, block_v, _, _, n_chunks = kv._launch_config(8, V, device)
+        assert kv._chunking(V, block_v, n_chunks)[1] > 1, f"the default does not split V={V} on {device}"
+
+
+def test_cuda_configuration_fills_the_gpu(monkeypatch):
+    """About 4 programs per SM when rows are few; whole rows per program once the rows alone fill the GPU."""
+    monkeypatch.setattr(kv, "_num_sms", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    for B, V in ((1, 128256), (32, 128256), (8, 32000), (32, 49152)):
+        block_b, block_v, _, _, n_chunks = kv._launch_config(B, V, cuda)
+        chunk, used = kv._chunking(V, block_v, n_chunks)
+        assert block_b == 1 and used > 1, (B, V, used, chunk)
+        assert B * used >= 132 or chunk == block_v, (B, V, used, chunk)  # every SM busy, or one V block per program
+        assert B * used <= 4 * 132 + B, (B, V, used)  # not far past 4 per SM
+    assert kv._launch_config(4096, 128256, cuda)[4] == 1
+
+
+def test_split_ties_across_chunk_boundaries_pick_the_lowest_index(device):
+    """Equal maxima in different chunks (and one at a chunk's first index): the lowest index wins, whichever
+    chunk reports first, for the residual race, the fall-back race and greedy."""
+    B, K, V, block_v, n_chunks = 2, 1, 5000, 256, 4  # chunks of 1280: [0, 1280), [1280, 2560), ...
+    tied = [3840, 1280, 4999, 2600]
+    x = torch.tensor([[7], [7]], device=device)
+    flat = torch.zeros((B, K + 1, V), device=device)
+    flat[:, :, tied] = 1.0 / len(tied)
+    noise = torch.ones((B, V), device=device)
+    uniform = torch.ones((B, K), device=device)  # reject x = 7 (p = 0 there)
+    for drafter_q in (None, torch.zeros((B, K, V), device=device)):
+        case = dict(draft_tokens=x, draft_probs=drafter_q, target_probs=flat, uniform=uniform, noise=noise)
+        for greedy in (False, True):
+            ref = verify_torch(**case, greedy=greedy)
+            out = launch(case, greedy, 1, block_v, n_chunks)
+            assert_same(ref, out, f"ties greedy={greedy}")
+            assert out.tokens[:, 0].tolist() == [min(tied)] * B
+    # fall-back: p == q everywhere, so the residual is empty in every chunk and the race is on p_0
+    q_reject = dict(draft_tokens=torch.tensor([[1280], [1280]], device=device), draft_probs=flat[:, :1].contiguous(),
+                    target_probs=flat, uniform=torch.ones((B, K), device=device), noise=noise)  # u * q >= p: rejected
+    out = launch(q_reject, False, 2, block_v, n_chunks)
+    assert_same(verify_torch(**q_reject), out, "fall-back ties")
+    assert out.num_accepted.tolist() == [0] * B and out.tokens[:, 0].tolist() == [min(tied)] * B
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_split_residual_empty_in_some_chunks_only_is_not_the_fall_back(where, device):
+    """p == q on every chunk but one: the residual lives in that chunk only, and the draw must come from it
+    (a chunk whose residual is empty must not make the row fall back to p)."""
+    B, K, V, block_v, n_chunks = 3, 1, 3000, 256, 3  # chunks of 1024
+    g = torch.Generator().manual_seed(seed_of("one-chunk-residual", where))
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 3, dim=-1)
+    p = torch.cat([q.clone(), torch.softmax(torch.randn(B, 1, V, generator=g), dim=-1)], dim=1)
+    lo, hi = (0, 1024) if where == "first" else (2048, 3000)
+    bump = torch.rand(B, hi - lo, generator=g) * 1e-3
+    p[:, 0, lo:hi] += bump  # residual > 0 here only
+    p[:, 0] /= p[:, 0].sum(-1, keepdim=True)  # renormalising lowers p elsewhere: still p < q there, residual 0
+    x = torch.full((B, K), 1500, dtype=torch.int64)  # in the middle chunk, where p < q
+    case = dict(draft_tokens=x.to(device), draft_probs=q.to(device), target_probs=p.to(device),
+                uniform=torch.ones((B, K), device=device), noise=torch.empty(B, V).exponential_(generator=g).to(device))
+    residual = (p[:, 0] - q[:, 0]).clamp_min(0)
+    assert (residual[:, lo:hi] > 0).any(-1).all() and residual[:, :lo].sum() == 0 and residual[:, hi:].sum() == 0
+    ref = verify_torch(**case)
+    out = launch(case, False, 1, block_v, n_chunks)
+    assert_same(ref, out, f"residual only in the {where} chunk")
+    assert out.num_accepted.tolist() == [0] * B
+    assert all(lo <= t < hi for t in out.tokens[:, 0].tolist()), out.tokens[:, 0].tolist()
+
+
+# ----------------------------------------------------------------------------------------------------
 # Edge cases: against the reference and against what the math demands
 
 
@@ -419,21 +527,27 @@ def test_kernel_compiles_for_hopper_with_precise_division():
 import re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels.verify import _verify_kernel
+from kernels.verify import _verify_kernel, _verify_split_kernel
 i64_ptrs = {"draft_tokens_ptr", "num_accepted_ptr", "tokens_ptr"}
-for has_q in (False, True):
-    for greedy in (False, True):
-        for block_k, stages in ((1, 1), (64, 3)):
-            consts = {"V": 32003, "BLOCK_B": 1, "BLOCK_K": block_k, "BLOCK_V": 4096, "NUM_STAGES": stages,
-                      "HAS_Q": has_q, "GREEDY": greedy}
-            sig = {n: "constexpr" if n in consts else ("*i64" if n in i64_ptrs else "*fp32") if n.endswith("_ptr") else "i32"
-                   for n in _verify_kernel.arg_names}
-            k = triton.compile(ASTSource(_verify_kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": 8})
-            ptx = k.asm["ptx"]
-            assert len(k.asm["cubin"]) > 0
-            assert not re.search(r"div\.(full|approx)", ptx), "approximate division in the PTX"
-            assert greedy or "div.rn.f32" in ptx, "no precise division in the PTX"
+i32_ptrs = {"part_idx_ptr", "count_ptr"}
+for kernel, split in ((_verify_kernel, {}), (_verify_split_kernel, {"CHUNK": 8192, "SLOTS": 3, "BLOCK_C": 4})):
+    for has_q in (False, True):
+        for greedy in (False, True):
+            for block_k, stages in ((1, 1), (64, 3)):
+                consts = {"V": 32003, "BLOCK_B": 1, "BLOCK_K": block_k, "BLOCK_V": 4096, "NUM_STAGES": stages,
+                          "HAS_Q": has_q, "GREEDY": greedy, **split}
+                sig = {n: "constexpr" if n in consts else ("*i64" if n in i64_ptrs else "*i32" if n in i32_ptrs else "*fp32")
+                       if n.endswith("_ptr") else "i32" for n in kernel.arg_names}
+                k = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                   options={"num_warps": 8})
+                ptx = k.asm["ptx"]
+                assert len(k.asm["cubin"]) > 0
+                assert not re.search(r"div\.(full|approx)", ptx), "approximate division in the PTX"
+                assert greedy or "div.rn.f32" in ptx, "no precise division in the PTX"
+                if split:  # the counter bump orders the partial stores (release) before the reduction's loads (acquire)
+                    assert re.search(r"atom\.[\w.]*acq_rel[\w.]*\.add", ptx) and re.search(r"atom\.[\w.]*gpu", ptx), \
+                        "the counter is not an acq_rel, gpu-scope atomic add"
+                    assert "bar.sync" in ptx and "ld.global.cg" in ptx, "no barrier before the bump or cached partial loads"
 print("ok")
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
