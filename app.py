@@ -51,11 +51,11 @@ def build_app() -> gr.Blocks:
                         ui |= build_runs()
 
         progress = dict(show_progress_on=[ui["status"]])  # the loading bar covers the status line, not the text
-        run = wire(ui["run_btn"].click, handlers.run_stream, ui, RUN_INPUTS, STREAM_OUTPUTS, on_gpu=True,
-                   **RUNS, **progress)
-        race = wire(ui["race_btn"].click, handlers.run_race, ui, RUN_INPUTS, RACE_OUTPUTS, on_gpu=True,
-                    **RUNS, **progress)
-        wire(ui["stop_btn"].click, handlers.stop, ui, ["state"], ["status"], cancels=[run, race])
+        wire(ui["run_btn"].click, handlers.run_stream, ui, RUN_INPUTS, STREAM_OUTPUTS, on_gpu=True,
+             **RUNS, **progress)
+        wire(ui["race_btn"].click, handlers.run_race, ui, RUN_INPUTS, RACE_OUTPUTS, on_gpu=True,
+             **RUNS, **progress)
+        wire(ui["stop_btn"].click, handlers.stop, ui, ["state"], ["status"])
         wire(ui["keep_rejected"].change, handlers.show_rejected, ui, ["state", "keep_rejected"], ["tokens"])
         wire(ui["clear_runs"].click, handlers.clear_runs, ui, ["state"],
              ["runs_table", "download_csv", "download_json", "state", "status"])

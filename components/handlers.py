@@ -43,6 +43,7 @@ class Session:
     export_dir: str = ""  # a temp folder, made on the first export
     finished: int = 0  # runs and races finished, for their ids
     last_events: list = field(default_factory=list)  # the last Run's round events, to re-render its text
+    stop_requested: bool = False  # set by the Stop button, read by the running handler between updates
 
     def next_id(self, kind: str) -> str:
         self.finished += 1
@@ -126,6 +127,7 @@ def open_stream(slot, prompt, settings: RunSettings, mode: str):
 def run_stream(state: Session, prompt: str, example: str = "", keep_rejected: bool = False, progress=None,
                **values) -> Iterator[dict]:
     """Speculative decoding of one prompt: the text round by round, the bandit figure, then a runs-table row."""
+    state.stop_requested = False
     yield {"status": "Starting …", "tabs": gr.Tabs(selected="stream")}
     try:
         settings, slot = yield from _prepare(values, progress)
@@ -138,7 +140,7 @@ def run_stream(state: Session, prompt: str, example: str = "", keep_rejected: bo
         plotted = time.perf_counter()
         with closing(in_background(stream, TEXT_INTERVAL_S)) as updates:  # closed (worker joined) before unlocking
             for events, done in updates:
-                if done:
+                if done or state.stop_requested:
                     break
                 update = {"tokens": tokens_html(events, live=True, keep_rejected=keep_rejected),
                           "stream_stats": stats_markdown(stream_stats(events), live=True),
@@ -154,6 +156,11 @@ def run_stream(state: Session, prompt: str, example: str = "", keep_rejected: bo
         slot.lock.release()
     stats = stream_stats(events)
     state.last_events = events
+    if not done:
+        yield {"tokens": tokens_html(events, live=False, keep_rejected=keep_rejected),
+               "stream_stats": stats_markdown(stats, live=True), "arms_plot": arms_figure(events, settings.bandit),
+               "status": f"Stopped after {stats['new_tokens']} tokens (not added to the runs table)."}
+        return
     run = state.next_id("run")
     state.runs.append(run_record(run, "speculative", settings.record(), stats, example_name(prompt, example)))
     yield {"tokens": tokens_html(events, live=False, keep_rejected=keep_rejected),
@@ -165,6 +172,7 @@ def run_stream(state: Session, prompt: str, example: str = "", keep_rejected: bo
 def run_race(state: Session, prompt: str, example: str = "", keep_rejected: bool = False, progress=None,
              **values) -> Iterator[dict]:
     """Plain decoding, then speculative decoding, of the same prompt and seed; speedup and tokens over time."""
+    state.stop_requested = False
     yield {"status": "Starting the race …", "tabs": gr.Tabs(selected="race")}
     try:
         settings, slot = yield from _prepare(values, progress)
@@ -180,7 +188,10 @@ def run_race(state: Session, prompt: str, example: str = "", keep_rejected: bool
                 for events, done in updates:
                     yield {f"{pane}_tokens": tokens_html(events, live=not done, keep_rejected=keep_rejected),
                            f"{pane}_stats": stats_markdown(stream_stats(events), live=not done),
-                           "status": f"Racing: {mode} decoding, {events[-1].new_tokens if events else 0} tokens"}
+                           "status": f"Racing: {mode} decoding, {events[-1].new_tokens} tokens"}
+                    if state.stop_requested:
+                        yield {"status": "Race stopped (not added to the runs table)."}
+                        return
             legs[mode] = events
     except Exception as e:  # noqa: BLE001 - every failure goes to the status line
         yield failure(e)
@@ -201,8 +212,10 @@ def run_race(state: Session, prompt: str, example: str = "", keep_rejected: bool
 
 
 def stop(state: Session) -> dict:
-    """After the Stop button cancelled a run: say so."""
-    return {"status": "Stopped. The next run starts fresh."}
+    """Ask this session's running Run or Race to stop after its current update (it ends itself and frees the
+    engine: no cancelled generator is left for gradio to clean up)."""
+    state.stop_requested = True
+    return {"status": "Stopping …"}
 
 
 def show_rejected(state: Session, keep_rejected: bool) -> dict:

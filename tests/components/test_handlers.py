@@ -106,6 +106,26 @@ def test_closing_a_run_midway_releases_the_lock(embedded_slot):
     assert last["status"].startswith("Done")
 
 
+def test_stop_ends_a_run_and_a_race_cleanly(embedded_slot):
+    state = Session()
+    long_prompt = handlers.EXAMPLES[-1]["prompt"]  # the multiplication table: well over 200 tokens
+    gen = run_stream(state, long_prompt, **{**SETTINGS, "max_new_tokens": 200})
+    while "Generating … round" not in next(gen).get("status", ""):
+        pass
+    assert handlers.stop(state) == {"status": "Stopping …"}
+    _, last = drain(gen)
+    assert last["status"].startswith("Stopped after") and state.runs == []
+    assert not embedded_slot.lock.locked()
+    race = run_race(state, long_prompt, **{**SETTINGS, "max_new_tokens": 200})
+    while "Racing" not in next(race).get("status", ""):
+        pass
+    handlers.stop(state)
+    _, last = drain(race)
+    assert last["status"].startswith("Race stopped") and state.runs == []
+    _, last = drain(run_stream(state, PROMPT, **SETTINGS))  # a new run clears the request
+    assert last["status"].startswith("Done") and not embedded_slot.lock.locked()
+
+
 def test_concurrent_sessions_do_not_corrupt_each_other(embedded_slot):
     prompts = [PROMPT, "Count: one two three one two three one two three"]
     alone = [text_of(drain(run_stream(Session(), p, **SETTINGS))[1]["tokens"]) for p in prompts]
