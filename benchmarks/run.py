@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -39,7 +40,8 @@ def environment() -> dict:
         pass
     return {"machine": cpu, "threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit,
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "load_average": list(os.getloadavg())}
 
 
 def run_engine(engine: Engine, prompt: str, max_new: int, seed: int, **kwargs) -> dict:

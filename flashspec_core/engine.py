@@ -16,7 +16,7 @@ import torch
 
 from flashspec_core.bandit import ArmState, Bandit, speed_reward
 from flashspec_core.drafters import MODEL_FREE, DraftModel, Drafter, NoDraft
-from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma
+from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma, expected_tokens
 from flashspec_core.fast_path import MODES as FAST_PATH_MODES
 from flashspec_core.fast_path import fast_or_eager
 from flashspec_core.models import CausalLM, load_model, pick_device, pick_dtype
@@ -365,6 +365,8 @@ class Engine:
 
         A drafter that would have proposed c emits (matching prefix of c and the emitted tokens) + 1 tokens, at
         the measured cost of verifying len(c) + 1 tokens plus its own propose time. Free: no target forward.
+        When every emitted token matched and c is longer (a short round hides how far c would have gone), the
+        rest is imputed from the drafter's acceptance rate instead of being counted as a rejection.
         """
         for arm in arms:
             drafter = self.drafters[arm]
@@ -377,9 +379,13 @@ class Engine:
             m = 0
             while m < min(len(proposal), len(emitted)) and proposal[m] == emitted[m]:
                 m += 1
-            acceptance[arm].observe(m, len(proposal))
+            if m == len(emitted) < len(proposal):  # censored: every emitted token matched, the rest is unknown
+                tokens = m + expected_tokens(acceptance[arm].rate, len(proposal) - m)  # impute from its acceptance
+            else:
+                acceptance[arm].observe(m, len(proposal))
+                tokens = m + 1
             seconds = propose_s + self.costs.forward(len(proposal) + 1)
-            bandit.update(arm, speed_reward((m + 1) / max(seconds, 1e-9), ref), pulled=False)
+            bandit.update(arm, speed_reward(tokens / max(seconds, 1e-9), ref), pulled=False)
 
     def _finish(self, emitted: list[int], produced: int, max_new_tokens: int):
         for i, t in enumerate(emitted):
