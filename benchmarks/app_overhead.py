@@ -7,8 +7,10 @@ figures included) against the engine alone (Engine.stream drained), same prompt,
 Two configurations: the app's default (the bandit over prompt lookup, n-gram cache and no-draft; its choices
 follow measured times, so two runs may take different paths) and prompt lookup alone (no bandit: both sides
 decode exactly the same rounds, so the difference is the app's cost). Runs alternate engine / handler and
-configuration, after one warm-up round; medians are reported. Gradio's own work (serialising a yield, sending it, the browser)
-is not included: it happens while the handler is suspended, in gradio's event loop.
+configuration, after one warm-up round; medians are reported. Both sides decode on the app's engine thread
+(components.background), as the app does. Not included: gradio serialising and sending each update, and the
+browser drawing it; gradio does that while the engine thread keeps decoding, but on a small machine it still
+competes for the cores.
 
 Writes benchmarks/results/app_overhead.json and prints a table. Target: the handler within 10% of the engine.
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 
 from components import engine_cache
+from components.background import on_engine_thread
 from components.handlers import EXAMPLES, Session, open_stream, run_stream
 from components.prompt import example_by_name
 from components.settings import parse_settings
@@ -44,8 +47,8 @@ def engine_alone(slot, prompt: str, values: dict) -> dict:
     """The engine's stream drained, as the handler would set it up; wall time around everything."""
     settings = parse_settings(**values)
     t0 = time.perf_counter()
-    with slot.lock:
-        events = list(open_stream(slot, prompt, settings, "speculative"))
+    with slot.lock:  # on the engine thread, like the app: see components/background.py
+        events = on_engine_thread(lambda: list(open_stream(slot, prompt, settings, "speculative")))
     wall = time.perf_counter() - t0
     tokens = sum(len(e.emitted) for e in events)
     return dict(tokens=tokens, wall_s=wall, tok_per_s=tokens / wall, rounds=len(events),

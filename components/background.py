@@ -1,21 +1,39 @@
-"""Runs an engine stream in a thread of its own, so that the engine never waits while gradio serialises and
-sends an update (a generator handler is otherwise suspended for that time, and the engine's clock with it):
-the UI takes whatever rounds have arrived, at its own pace.
+"""The app's one engine thread: every torch call of the app (loading, warm-up, each run) happens there, and a
+run's rounds reach the UI from it at the UI's own pace, so the engine never waits while gradio sends an update.
+
+Why one thread: libgomp throttles (stops spinning between parallel regions) once it manages more threads than
+there are cores, and each thread that calls into torch gets its own OpenMP team. On a 2-core machine, decoding
+on a second thread after the first had used torch ran about 20% slower; on one thread it runs as fast as a
+plain script.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import threading
-from typing import Iterator, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
+THREAD_NAME = "flashspec-engine"
+ENGINE_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+
+
+def on_engine_thread(fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs) on the engine thread (with the caller's context variables, which gradio's progress
+    tracking needs); blocks for its result or raises its exception."""
+    if threading.current_thread().name.startswith(THREAD_NAME):
+        return fn(*args, **kwargs)
+    return ENGINE_THREAD.submit(contextvars.copy_context().run, fn, *args, **kwargs).result()
 
 
 def in_background(items: Iterator[T], interval: float) -> Iterator[tuple[list[T], bool]]:
     """Yield (items so far, done): every `interval` seconds while new items arrive, and once at the end.
 
-    The iterator runs in a worker thread; an exception there is raised here. Closing this generator stops the
-    worker after its current item and waits for it, so the caller may then hand the engine to someone else.
+    The iterator is drained on the engine thread; an exception there is raised here. Closing this generator
+    stops the draining after its current item and waits for it, so the caller may then hand the engine on.
     """
+    if threading.current_thread().name.startswith(THREAD_NAME):
+        raise RuntimeError("in_background waits for the engine thread, so it cannot run on it")
     seen: list[T] = []
     cond = threading.Condition()
     stop = threading.Event()
@@ -31,13 +49,12 @@ def in_background(items: Iterator[T], interval: float) -> Iterator[tuple[list[T]
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             outcome["error"] = e
         finally:
-            getattr(items, "close", lambda: None)()  # in this thread, where the generator ran
+            getattr(items, "close", lambda: None)()  # on this thread, where the generator ran
             with cond:
                 outcome["done"] = True
                 cond.notify_all()
 
-    worker = threading.Thread(target=work, name="flashspec-stream", daemon=True)
-    worker.start()
+    future = ENGINE_THREAD.submit(work)
     shown = 0
     try:
         while True:
@@ -54,4 +71,5 @@ def in_background(items: Iterator[T], interval: float) -> Iterator[tuple[list[T]
                 yield snapshot, False
     finally:
         stop.set()
-        worker.join()
+        if not future.cancel():  # already running: let it finish its current item
+            concurrent.futures.wait([future])

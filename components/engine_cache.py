@@ -1,6 +1,7 @@
 """Loaded engines, shared by all browser sessions: one per (target, pair drafters, resolved backend).
 
 Concurrency model (the engine is not thread-safe):
+- all torch work (loading, warm-up, runs) happens on one engine thread (components.background);
 - each cached engine comes with a `threading.Lock`; a run holds it from its first token to its last, so two
   runs never interleave on one engine, whoever calls (the app, a test, the benchmark);
 - loading takes one process-wide lock, so two sessions asking for the same model load it once;
@@ -19,6 +20,7 @@ from flashspec_core.drafters import MODEL_FREE
 from flashspec_core.models import pick_device
 from kernels import resolve_backend
 
+from components.background import on_engine_thread
 from components.settings import PairSpec
 
 
@@ -63,8 +65,8 @@ def get_engine(spec: PairSpec, backend: str = "auto", progress=None) -> Slot:
     with _LOAD_LOCK:
         if key not in _ENGINES:
             report = LoadProgress(spec, progress) if progress else None
-            engine = Engine.from_pretrained(target=spec.target, drafters=list(spec.drafters), kernel_backend=key[2],
-                                            progress=report, name=spec.name)
+            engine = on_engine_thread(Engine.from_pretrained, target=spec.target, drafters=list(spec.drafters),
+                                      kernel_backend=key[2], progress=report, name=spec.name)
             _ENGINES[key] = Slot(engine)
         return _ENGINES[key]
 
@@ -75,7 +77,7 @@ def preload(spec: PairSpec, backend: str = "auto") -> Slot | None:
     try:
         slot = get_engine(spec, backend)
         with slot.lock:
-            slot.engine.generate("Hello", max_new_tokens=2)
+            on_engine_thread(slot.engine.generate, "Hello", max_new_tokens=2)
         return slot
     except Exception as e:  # noqa: BLE001
         log.warning("could not preload %s: %s", spec.label, e)

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from components.background import in_background
+from components.background import in_background, on_engine_thread
 
 
 def slow(n, delay=0.005, log=None):
@@ -46,5 +46,12 @@ def test_closing_stops_the_worker_and_closes_the_stream():
     items, done = next(updates)
     assert not done and items
     updates.close()
-    assert log == ["closed"]
-    assert not any(t.name == "flashspec-stream" for t in threading.enumerate())
+    assert log == ["closed"]  # the stream was closed on the engine thread before close() returned
+
+
+def test_work_runs_on_the_one_engine_thread():
+    names = {on_engine_thread(lambda: threading.current_thread().name) for _ in range(3)}
+    assert len(names) == 1 and names.pop().startswith("flashspec-engine")
+    assert on_engine_thread(on_engine_thread, lambda: 7) == 7  # nested calls run inline, no deadlock
+    with pytest.raises(ZeroDivisionError):
+        on_engine_thread(lambda: 1 / 0)
