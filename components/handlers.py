@@ -26,7 +26,7 @@ from components.background import in_background
 from components.prompt import READY, example_by_name, load_examples
 from components.race import race_summary, same_tokens, speedup, tokens_over_time_figure
 from components.runs import export_runs, run_record, runs_frame
-from components.settings import (CUSTOM, RunSettings, arm_names, parse_settings, resolve_pair, role_choices)
+from components.settings import CUSTOM, RunSettings, arm_names, parse_settings, resolve_pair, role_choices
 from components.tokens import EMPTY, stats_markdown, tokens_html
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ EXAMPLES = load_examples()
 
 @dataclass
 class Session:
-    """One browser session's state: its finished runs and where their exports are written."""
+    """One browser session's state: its finished runs, their exports, the last text, and a stop request."""
     runs: list[dict] = field(default_factory=list)  # run_record() rows, oldest first
     export_dir: str = ""  # a temp folder, made on the first export
     finished: int = 0  # runs and races finished, for their ids
