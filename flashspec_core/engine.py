@@ -268,7 +268,6 @@ class Engine:
             d.start(rows, sampling, generator)
         self._sync()
         self._prefill_s = time.perf_counter() - t0
-        self._prefill_forwards = self.target.forwards
 
     def _round(self, rows: list[list[int]], drafter: Drafter, k: int, sampling: SamplingConfig,
                generator: torch.Generator) -> RoundOutput:
