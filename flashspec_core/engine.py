@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from flashspec_core.bandit import ArmState, Bandit, speed_reward
-from flashspec_core.drafters import MODEL_FREE, DraftModel, Drafter, NoDraft
+from flashspec_core.draft_head import DraftHead, HeadMismatchError, load_head
+from flashspec_core.drafters import MODEL_FREE, DraftHeadDrafter, DraftModel, Drafter, NoDraft
 from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma, expected_tokens
 from flashspec_core.fast_path import MODES as FAST_PATH_MODES
 from flashspec_core.fast_path import fast_or_eager
@@ -25,6 +27,9 @@ from kernels import resolve_backend, verify
 
 MODES = ("speculative", "plain")
 MAX_AUTO_GAMMA = 16
+DRAFT_HEAD = "draft_head"  # a drafter entry: the trained head shipped for the target (see HEADS)
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+HEADS = {"embedded": ASSETS / "draft_head"}  # target -> folder of its EAGLE-3 style head
 
 # Model pairs are data. Drafter entries: a Hub id or folder (a draft model), or a model-free drafter name.
 PRESETS = {
@@ -102,6 +107,8 @@ class Engine:
         Bandit(["x"], bandit, window)  # likewise for the strategy
         self.target, self.tokenizer, self.name = target, tokenizer, name
         self.kernel_backend, self.bandit_strategy, self.window = kernel_backend, bandit, window
+        if len({d.aux_layers for d in drafters if d.aux_layers}) > 1:
+            raise ValueError("drafters read hidden states from different target layers; the engine feeds one set")
         self.drafters: dict[str, Drafter] = {}
         for d in [*drafters, NoDraft(target.device)]:
             if d.name in self.drafters:
@@ -133,7 +140,9 @@ class Engine:
         model, tokenizer = load_model(target, dev, dt, progress)
         draft_models = {}
         for d in drafters:
-            if d not in MODEL_FREE:
+            if d == DRAFT_HEAD:
+                draft_models[d] = (head_for(target, model), tokenizer)
+            elif d not in MODEL_FREE:
                 draft_models[d] = load_model(d, dev, dt, progress)
                 check_same_vocabulary(tokenizer, draft_models[d][1], target, d)
         return cls.from_models(model, [draft_models[d][0] if d in draft_models else d for d in drafters],
@@ -152,7 +161,7 @@ class Engine:
         if fast_path not in FAST_PATH_MODES:
             raise ValueError(f"unknown fast_path {fast_path!r}; expected one of {list(FAST_PATH_MODES)}")
         device = next(target_model.parameters()).device
-        models = [d for d in drafters if not isinstance(d, str)]
+        models = [d for d in drafters if not isinstance(d, (str, DraftHead))]
         widths = [target_model.config.vocab_size] + [m.config.vocab_size for m in models]
         if tokenizer is None and len(set(widths)) > 1:
             raise ValueError(f"target and draft vocabularies differ ({widths}) and there is no tokenizer to reconcile them")
@@ -165,6 +174,8 @@ class Engine:
                 if d not in MODEL_FREE:
                     raise ValueError(f"unknown drafter {d!r}; expected a model or one of {sorted(MODEL_FREE)}")
                 built.append(MODEL_FREE[d](device))
+            elif isinstance(d, DraftHead):
+                built.append(DraftHeadDrafter(d, vocab))
             else:
                 label = draft_names[i] if draft_names else f"draft_model{'' if len(models) == 1 else i}"
                 built.append(DraftModel(fast_or_eager(d.eval(), vocab, mode=fast_path), name=label))
@@ -254,18 +265,23 @@ class Engine:
     # The loop
 
     def _start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
-               max_context: int | None = None, max_gamma: int = MAX_AUTO_GAMMA) -> None:
-        """Prefill the target (all but the last token: each round feeds the pending token) and the drafters."""
+               max_context: int | None = None, max_gamma: int = MAX_AUTO_GAMMA, arms: list[str] | None = None) -> None:
+        """Prefill the target (all but the last token: each round feeds the pending token) and the drafters.
+        The target reports hidden states from here on only if one of `arms` (default: every drafter) reads them."""
         t0 = time.perf_counter()
+        readers = [self.drafters[a] for a in (arms or self.drafters)]
+        self.target.aux_layers = next((d.aux_layers for d in readers if d.aux_layers), ())
         self.target.reset()
         for lm in [self.target] + [d.lm for d in self.drafters.values() if isinstance(d, DraftModel)]:
             if hasattr(lm, "capture") and max_context:  # CUDA graphs: captured once per shape, kept on the model
                 lm.reset()
                 lm.capture(range(1, max_gamma + 2) if lm is self.target else [1, 2], max_context=max_context)
+        hidden = None
         if len(rows[0]) > 1:
             self.target.forward(torch.tensor([r[:-1] for r in rows], device=self.target.device), logits_to_keep=1)
+            hidden = self.target.aux
         for d in self.drafters.values():
-            d.start(rows, sampling, generator)
+            d.start(rows, sampling, generator, hidden=hidden if d.aux_layers else None)
         self._sync()
         self._prefill_s = time.perf_counter() - t0
 
@@ -292,8 +308,9 @@ class Engine:
         for row, toks in zip(rows, tokens):
             row.extend(toks[:m + 1])
         self.target.crop(L + m)  # roll back: the cache keeps the context and the accepted drafts
+        hidden = None if self.target.aux is None else self.target.aux[:, :m + 1]  # features of the verified tokens
         for d in self.drafters.values():  # update
-            d.observe(rows, L + m)
+            d.observe(rows, L + m, hidden=hidden if d.aux_layers else None)
         self.costs.observe(K + 1, verify_s)
         return RoundOutput(num_accepted, tokens, proposal.tokens[0].tolist() if K else [],
                            host[B, :K + 1].tolist(), host[B + 1, :K].tolist(), draft_s, verify_s)
@@ -324,7 +341,7 @@ class Engine:
         rows = [list(ids)]
         t_start = time.perf_counter()
         max_gamma = MAX_AUTO_GAMMA if gamma == "auto" else gamma
-        self._start(rows, sampling, generator, len(ids) + max_new_tokens + max_gamma + 1, max_gamma)
+        self._start(rows, sampling, generator, len(ids) + max_new_tokens + max_gamma + 1, max_gamma, arms)
         bandit = Bandit(arms, strategy, self.window, seed) if len(arms) > 1 else None
         acceptance = {a: Acceptance() for a in arms}
         draft_step = {a: 0.0 for a in arms}  # seconds per drafted token
@@ -519,4 +536,14 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def _short(name: str) -> str:
-    return name if name in MODEL_FREE else "draft:" + name.rstrip("/").split("/")[-1]
+    return name if name in MODEL_FREE or name == DRAFT_HEAD else "draft:" + name.rstrip("/").split("/")[-1]
+
+
+def head_for(target: str, model) -> DraftHead:
+    """The trained draft head shipped for `target` (HEADS), on the model's device and in its dtype.
+    Raises HeadMismatchError (a ValueError) when none ships, the file is missing, or it fits another target."""
+    if target not in HEADS:
+        raise HeadMismatchError(f"no draft head ships for target {target!r} (heads: {sorted(HEADS)}); train one with "
+                                f"`python -m flashspec_core.train_head`")
+    embed = model.get_input_embeddings().weight
+    return load_head(HEADS[target], model.config, embed, dtype=embed.dtype)

@@ -157,7 +157,9 @@ class StaticCausalLM:
         self.kv_cache: list[torch.Tensor] = []  # per layer [2, B, n_kv, capacity, D]
         self.k_cache: list[torch.Tensor] = []  # per layer [B, n_kv, capacity, D], views of kv_cache
         self.v_cache: list[torch.Tensor] = []
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.aux_layers: tuple[int, ...] = ()  # set by the engine while a drafter reads hidden states
+        self.aux: torch.Tensor | None = None  # the last forward's aux hidden states [B, T, len(aux_layers) * H]
         self._pool = None
         self._allocate(1)
         self.length = 0
@@ -239,9 +241,10 @@ class StaticCausalLM:
         if self.use_graphs and T <= self.max_graph_tokens and start > 0:  # a prefill's T is one-off: eager
             self.static_ids[:, :T].copy_(ids)
             self.static_pos[:T].copy_(self.slots[start:start + T])  # device to device: no host round trip
-            graph, out = self.graphs.get((T, S)) or self._capture(T, S)
+            graph, out, aux = self.graphs.get((T, S, bool(self.aux_layers))) or self._capture(T, S)
             graph.replay()
             logits = out[:, T - keep:]  # the graph's own buffer: converted below into a fresh tensor
+            self.aux = None if aux is None else aux.clone()
         else:
             chunks = []
             for c0 in range(0, T, self.prefill_chunk):
@@ -249,7 +252,8 @@ class StaticCausalLM:
                 rows = max(0, min(c1 - c0, keep - (T - c1)))  # of this chunk's rows, those among the last keep
                 chunks.append(self._forward(ids[:, c0:c1], self.slots[start + c0:start + c1],
                                             self.bucket(start + c1), rows))
-            logits = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)
+            logits = torch.cat([c[0] for c in chunks], dim=1)
+            self.aux = torch.cat([c[1] for c in chunks], dim=1) if self.aux_layers else None
         self.length += T
         self.forwards += 1
         return logits[..., : self.vocab_size].to(torch.float32, copy=True)
@@ -279,7 +283,7 @@ class StaticCausalLM:
             if not 1 <= T <= self.max_graph_tokens:
                 raise ValueError(f"token count {T} outside 1..{self.max_graph_tokens}")
             for S in self.buckets:
-                if S <= limit and S >= T and (T, S) not in self.graphs:
+                if S <= limit and S >= T and (T, S, bool(self.aux_layers)) not in self.graphs:
                     self.static_pos[:T].copy_(self.slots[S - T:S])
                     self._capture(T, S)
                     count += 1
@@ -298,15 +302,16 @@ class StaticCausalLM:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(ids, pos, S, T)  # [B, T, V_model]
-        self.graphs[(T, S)] = (graph, out)
-        return graph, out
+            out, aux = self._forward(ids, pos, S, T)  # [B, T, V_model], [B, T, F] or None
+        self.graphs[(T, S, bool(self.aux_layers))] = (graph, out, aux)
+        return graph, out, aux
 
     # ------------------------------------------------------------------------------------------------
     # The transformer
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, S: int, keep: int) -> torch.Tensor:
-        """ids [B, T] at positions pos [T] (device); attends over cache slots [0, S); logits [B, keep, V_model].
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, S: int, keep: int):
+        """ids [B, T] at positions pos [T] (device); attends over cache slots [0, S). Returns logits
+        [B, keep, V_model] and, while `aux_layers` is set, the residual streams entering those layers [B, T, F].
 
         Per layer at T = 1 (B = 1, math attention) this launches 19 ops: norm 2, qkv GEMM 1, rotary 4, cache write 1,
         attention 4 (mask copy + scaled GEMM, softmax, GEMM), o GEMM into the residual 1, norm 2, gate/up GEMM 1,
@@ -321,7 +326,10 @@ class StaticCausalLM:
         visible = self.slots[:S][None, :] <= pos.repeat(R)[:, None]  # [R*T, S]
         mask = torch.where(visible, self.zero, self.neg_inf)
         math = self.attention == "math" or (self.attention == "auto" and T <= self.max_graph_tokens)
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x.clone())
             h = self._rms_norm(x, layer.input_norm)
             qkv = layer.qkv(h).view(B, T, H + 2 * KV, D)  # q, k, v heads side by side
             qk = qkv[:, :, :H + KV]  # one rotary pass for q and k, in place
@@ -337,7 +345,8 @@ class StaticCausalLM:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             _add_linear_(x, F.silu(gate, inplace=True).mul_(up), layer.down, layer.down_bias)
         x = self._rms_norm(x.view(B, T, -1)[:, T - keep:], self.norm)
-        return F.linear(x, self.lm_head, self.lm_head_bias)
+        aux = torch.cat(aux, dim=-1).view(B, T, -1) if aux else None
+        return F.linear(x, self.lm_head, self.lm_head_bias), aux
 
     def _attend(self, q, k, v, mask, math: bool) -> torch.Tensor:
         """q [B, KV, R*T, D] over k, v [B, KV, S, D] with the additive mask [R*T, S] -> [B, KV, R*T, D]."""

@@ -159,7 +159,8 @@ class CausalLM:
     """A Hugging Face causal LM fed incrementally through a DynamicCache holding the first `length` tokens.
 
     `forward` appends new tokens and returns their logits (sliced to the shared vocabulary `vocab_size`);
-    `crop` rolls the cache back. Positions and counts live on the host.
+    `crop` rolls the cache back. Positions and counts live on the host. While `aux_layers` names decoder
+    layers, `forward` also leaves the residual streams entering them in `aux` [B, T, len(aux_layers) * H].
     """
 
     def __init__(self, model, vocab_size: int | None = None):
@@ -170,6 +171,8 @@ class CausalLM:
         self.cache = None
         self.length = 0
         self.forwards = 0  # forward passes since the last reset
+        self.aux_layers: tuple[int, ...] = ()  # set by the engine while a drafter reads hidden states
+        self.aux: torch.Tensor | None = None  # the last forward's aux hidden states
 
     @property
     def context_window(self) -> int:
@@ -185,7 +188,9 @@ class CausalLM:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
         """Append ids [B, T] to the cache; return float32 logits [B, T', V] for the last logits_to_keep (0 = all)."""
-        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+        out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep,
+                         output_hidden_states=bool(self.aux_layers))
+        self.aux = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
         self.length += ids.shape[1]
         self.forwards += 1
         return out.logits[..., : self.vocab_size].float()

@@ -1,0 +1,332 @@
+"""An EAGLE-3 style draft head: one decoder layer over the target's own hidden states. It drafts through the
+target's tied embedding restricted to a draft vocabulary, and is saved in the EAGLE-3 checkpoint layout
+that vLLM and SGLang load.
+
+Slot t of the head pairs the target's features at position t (a learned fusion `fc` of the residual stream
+entering three decoder layers: low, middle, high) with the embedding of token t + 1, and predicts token t + 2.
+Drafting K tokens after the last verified slot runs the layer K times: the first pass over every newly
+verified slot, then K - 1 passes that feed the head's own output (its pre-norm hidden state) back in place
+of the target's features. Training ("training-time test", `ttt_forward`) unrolls exactly those K passes.
+
+Checkpoint layout (EAGLE-3, as in vLLM's `Eagle3LlamaForCausalLM` / SGLang's `LlamaForCausalLMEagle3`):
+`fc.weight` [H, 3H], `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight`,
+`midlayer.self_attn.{q,k,v}_proj.weight` (input 2H), `midlayer.self_attn.o_proj.weight`,
+`midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight` [draft V, H], `d2t` [draft V]
+(target id = draft id + d2t[draft id]) and `t2d` [V] (bool: in the draft vocabulary); no `embed_tokens`
+(the target's is shared). Aux layer ids follow vLLM: id i = the residual stream entering decoder layer i,
+i.e. Hugging Face's `hidden_states[i]`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG_FILE, WEIGHTS_FILE, CARD_FILE = "config.json", "model.safetensors", "card.json"
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int  # H: the head's width, equal to the target's
+    intermediate_size: int  # the MLP's inner width
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (grouped-query attention)
+    head_dim: int  # D
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the target's vocabulary V
+    draft_vocab_size: int  # rows of the head's output layer (the most frequent target ids)
+    aux_layers: tuple[int, ...]  # residual streams entering these target decoder layers (HF hidden_states[i])
+    target_layers: int  # decoder layers of the target, to check the aux ids and the pairing
+    max_position_embeddings: int
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
+        if not self.aux_layers or not all(0 <= i < self.target_layers for i in self.aux_layers):
+            raise ValueError(f"aux_layers {list(self.aux_layers)} must be decoder layer ids in 0..{self.target_layers - 1}")
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.aux_layers) * self.hidden_size
+
+    @classmethod
+    def for_target(cls, config, draft_vocab_size: int, aux_layers=None) -> "HeadConfig":
+        """A head as wide as the target (a Hugging Face Llama-family config); aux layers default to vLLM's and
+        SGLang's choice for EAGLE-3, (2, L // 2, L - 3)."""
+        L = config.num_hidden_layers
+        aux = tuple(aux_layers) if aux_layers is not None else (min(2, L - 1), L // 2, max(0, L - 3))
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        return cls(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                   num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                   rms_norm_eps=float(config.rms_norm_eps), rope_theta=float(rope.get("rope_theta", 10000.0)),
+                   vocab_size=config.vocab_size, draft_vocab_size=int(draft_vocab_size), aux_layers=aux,
+                   target_layers=L, max_position_embeddings=int(config.max_position_embeddings))
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(2 * H, cfg.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(2 * H, cfg.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(2 * H, cfg.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * D, H, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)  # on the fused features (or the head's own output)
+        self.self_attn = _Attention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.mlp = _MLP(cfg)
+
+
+class DraftHead(nn.Module):
+    """The head's parameters and its two forwards: `step` (inference, through a `HeadCache`) and `ttt_forward`
+    (training). `embed` is the target's input embedding [V, H], shared, never saved with the head."""
+
+    def __init__(self, cfg: HeadConfig, embed: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(cfg.feature_size, H, bias=False)
+        self.midlayer = _MidLayer(cfg)
+        self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)  # rows of the target's tied embedding, frozen
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.embed = embed.detach()  # the target's (shared storage); not a parameter, not in the state dict
+        D = cfg.head_dim
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    # -- vocabulary --------------------------------------------------------------------------------
+    def set_draft_vocab(self, draft_ids: torch.Tensor) -> None:
+        """draft_ids [draft V]: the target id of each draft id; lm_head becomes those rows of the target's
+        embedding (the tied output layer of the target), d2t/t2d the EAGLE-3 maps."""
+        ids = draft_ids.to(torch.int64).to(self.d2t.device)
+        if ids.numel() != self.cfg.draft_vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError(f"need {self.cfg.draft_vocab_size} distinct draft ids, got {ids.numel()}")
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.embed[ids.to(self.embed.device)].to(self.lm_head.weight))
+            self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+            self.t2d.zero_()
+            self.t2d[ids] = True
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        """[draft V] target id of each draft id."""
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    # -- the layer, in pieces shared by both forwards -----------------------------------------------
+    def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of x [B, heads, T, D] at positions pos [T] (or [B, T])."""
+        freqs = pos.to(torch.float32)[..., None] * self.inv_freq  # [(B,) T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        if cos.dim() == 3:  # per-row positions
+            cos, sin = cos[:, None], sin[:, None]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _qkv(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
+        """tokens [B, T], hidden [B, T, H] -> q [B, nh, T, D], k and v [B, nkv, T, D] (rotated)."""
+        layer, cfg = self.midlayer, self.cfg
+        B, T = tokens.shape
+        e = F.embedding(tokens, self.embed).to(hidden.dtype)
+        x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        attn = layer.self_attn
+        q = attn.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        return self._rotate(q, pos), self._rotate(k, pos), v
+
+    def _finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual update after attention: hidden [B, T, H] (the un-normed input), attended [B, nh, T, D]
+        -> the layer's pre-norm output [B, T, H] (what the next draft step reads as its hidden state)."""
+        B, _, T, _ = attended.shape
+        layer = self.midlayer
+        h = hidden + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(B, T, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Pre-norm output [..., H] -> logits over the draft vocabulary [..., draft V]."""
+        return self.lm_head(self.norm(h))
+
+    # -- inference ----------------------------------------------------------------------------------
+    def step(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Append T slots to the cache: tokens [B, T] (token t + 1 of each slot) and hidden [B, T, H] (fused
+        features, or the head's own last output); returns the pre-norm outputs [B, T, H]."""
+        T = tokens.shape[1]
+        start = cache.length
+        pos = torch.arange(start, start + T, device=tokens.device)
+        q, k, v = self._qkv(tokens, hidden, pos)
+        keys, values = cache.append(k, v)
+        mask = None
+        if T > 1:  # causal among the new slots; every cached slot is visible
+            mask = torch.arange(start + T, device=q.device)[None, :] <= pos[:, None]  # [T, start + T]
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self._finish(hidden, attended)
+
+    # -- training -----------------------------------------------------------------------------------
+    def ttt_forward(self, features: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test: the K = steps draft passes of inference, for every slot at once.
+
+        features [B, T, F] are the target's aux hidden states, ids [B, T] the tokens. Pass j at slot t reads
+        token t + 1 + j and (j = 0) the fused features of position t or (j > 0) its own pass j - 1 output, sits
+        at position t + j, and attends to the pass-0 slots up to t plus its own earlier passes at slot t,
+        exactly what the head's cache holds when it drafts j tokens past verified slot t. Returns each pass's
+        pre-norm output [B, T, H]; pass j at slot t predicts token t + 2 + j (ids past the end read as 0).
+        """
+        B, T = ids.shape
+        hidden = self.fc(features)
+        slots = torch.arange(T, device=ids.device)
+        causal = slots[None, :] <= slots[:, None]  # [T, T]
+        keys, values, outs = [], [], []
+        for j in range(steps):
+            tokens = F.pad(ids[:, 1 + j:], (0, 1 + j))  # token t + 1 + j at slot t
+            q, k, v = self._qkv(tokens, hidden, slots + j)
+            keys.append(k)
+            values.append(v)
+            hidden = self._finish(hidden, _ttt_attention(q, keys, values, causal))
+            outs.append(hidden)
+        return outs
+
+
+def _ttt_attention(q, keys, values, causal) -> torch.Tensor:
+    """q [B, nh, T, D]; keys/values: one [B, nkv, T, D] per pass so far. Slot t attends to pass-0 slots <= t
+    (causal) and to its own slot in every later pass (a diagonal), under one softmax."""
+    rep = q.shape[1] // keys[0].shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    k0, v0 = keys[0].repeat_interleave(rep, 1), values[0].repeat_interleave(rep, 1)
+    scores = (q @ k0.transpose(-1, -2)) * scale  # [B, nh, T, T]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    diag = [(q * k.repeat_interleave(rep, 1)).sum(-1, keepdim=True) * scale for k in keys[1:]]  # [B, nh, T, 1]
+    probs = torch.cat([scores, *diag], dim=-1).softmax(dim=-1)
+    T = scores.shape[-1]
+    out = probs[..., :T] @ v0
+    for i, v in enumerate(values[1:]):
+        out = out + probs[..., T + i:T + i + 1] * v.repeat_interleave(rep, 1)
+    return out
+
+
+class HeadCache:
+    """The head's KV cache for B rows: slots [0, length) are valid; rolling back moves `length`."""
+
+    def __init__(self, cfg: HeadConfig, batch: int, capacity: int, device, dtype):
+        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [B, nkv, T, D] after the valid slots (doubling the buffers when full); return the keys
+        and values of all valid slots."""
+        end = self.length + k.shape[2]
+        if end > self.k.shape[2]:
+            more = max(end, 2 * self.k.shape[2]) - self.k.shape[2]
+            self.k, self.v = (F.pad(x, (0, 0, 0, more)) for x in (self.k, self.v))
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, max(0, length))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Saving and loading (EAGLE-3 layout)
+
+
+def eagle3_config(cfg: HeadConfig) -> dict:
+    """config.json as vLLM and SGLang read an EAGLE-3 draft: a one-layer Llama with draft_vocab_size and the
+    target's aux layer ids (top level: vLLM's key, same meaning; SGLang's default for these ids is the same
+    layers, so `eagle_config` names none), plus the FlashSpec fields needed to rebuild `HeadConfig`."""
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": None, "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
+        "eagle_config": {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True},
+        "flashspec": {**asdict(cfg), "aux_layers": list(cfg.aux_layers)},
+    }
+
+
+def save_head(head: DraftHead, folder: Path, card: dict | None = None, dtype=torch.bfloat16) -> Path:
+    """Write config.json, model.safetensors (EAGLE-3 names, float weights in `dtype`) and card.json."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous().cpu()
+               for n, t in head.state_dict().items()}
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    (folder / CONFIG_FILE).write_text(json.dumps(eagle3_config(head.cfg), indent=2) + "\n")
+    if card is not None:
+        (folder / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
+    return folder
+
+
+class HeadMismatchError(ValueError):
+    """A head file that is missing, malformed, or made for another target."""
+
+
+def load_head(folder: Path, target_config, embed: torch.Tensor, device=None, dtype=torch.float32) -> DraftHead:
+    """Load a head saved by `save_head` for a target with this config and input embedding [V, H].
+    Raises HeadMismatchError with a short reason for a missing, malformed or mismatched file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    try:
+        raw = json.loads((folder / CONFIG_FILE).read_text())
+        fields = dict(raw["flashspec"])
+        cfg = HeadConfig(**{**fields, "aux_layers": tuple(fields["aux_layers"])})
+        weights = load_file(str(folder / WEIGHTS_FILE))
+    except FileNotFoundError as e:
+        raise HeadMismatchError(f"draft head file missing: {Path(e.filename).name} in {folder.name}/") from None
+    except (KeyError, TypeError, ValueError, json.JSONDecodeError, SafetensorError) as e:
+        raise HeadMismatchError(f"draft head in {folder.name}/ is malformed: {e}") from None
+    expected = (target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers)
+    if (cfg.hidden_size, cfg.vocab_size, cfg.target_layers) != expected or tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise HeadMismatchError(f"draft head in {folder.name}/ was made for a target with hidden size, vocabulary "
+                                f"and layers {(cfg.hidden_size, cfg.vocab_size, cfg.target_layers)}; this target has "
+                                f"{expected}")
+    head = DraftHead(cfg, embed)
+    missing, unexpected = head.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise HeadMismatchError(f"draft head in {folder.name}/ does not match its config: missing {missing[:3]}, "
+                                f"unexpected {unexpected[:3]}")
+    return head.to(device=device or embed.device, dtype=dtype).eval()

@@ -1,0 +1,164 @@
+"""The draft head: training-time test equals the inference chain, the target's aux hidden states on both model
+paths, exact cache rollback, greedy equality through the engine, the EAGLE-3 file layout, and clear errors for
+missing or mismatched head files."""
+import json
+
+import pytest
+import torch
+
+from flashspec_core import Engine, SamplingConfig
+from flashspec_core.draft_head import (ARCHITECTURE, DraftHead, HeadCache, HeadConfig, HeadMismatchError, load_head,
+                                       save_head)
+from flashspec_core.fast_path import StaticCausalLM
+from flashspec_core.models import CausalLM
+from tests.conftest import tiny_llama
+from tests.flashspec_core.test_fast_path import build
+
+V = 50
+
+
+def tiny_head(target, draft_vocab=40, seed=0) -> DraftHead:
+    torch.manual_seed(seed)
+    head = DraftHead(HeadConfig.for_target(target.config, draft_vocab), target.get_input_embeddings().weight)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.3) if "norm" not in name else p.uniform_(0.5, 1.5)
+    head.set_draft_vocab(torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab])
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(vocab=V, seed=3, layers=4)
+
+
+def test_ttt_forward_is_the_inference_chain(target):
+    """Pass j of training at slot t equals the j-th chained draft step after verified slots 0..t."""
+    head = tiny_head(target)
+    g = torch.Generator().manual_seed(0)
+    T, K = 12, 4
+    ids = torch.randint(0, V, (2, T), generator=g)
+    feats = torch.randn(2, T, head.cfg.feature_size, generator=g)
+    with torch.no_grad():
+        outs = head.ttt_forward(feats, ids, K)
+        for t in (0, 3, 6):
+            cache = HeadCache(head.cfg, 2, 4, "cpu", torch.float32)  # small: grows on demand
+            h = head.step(cache, ids[:, 1:t + 2], head.fc(feats[:, :t + 1]))
+            torch.testing.assert_close(h, outs[0][:, :t + 1], atol=1e-5, rtol=1e-5)
+            h = h[:, -1:]
+            for j in range(1, K):
+                h = head.step(cache, ids[:, t + 1 + j:t + 2 + j], h)
+                torch.testing.assert_close(h[:, 0], outs[j][:, t], atol=1e-5, rtol=1e-5)
+
+
+def test_aux_hidden_states_match_hf(target):
+    """Both model paths report HF's hidden_states[i] for the requested layers, for every fed token."""
+    seq = torch.tensor([[5, 7, 11, 13, 17, 19, 23]])
+    with torch.no_grad():
+        ref = target(seq, output_hidden_states=True).hidden_states
+    want = torch.cat([ref[i] for i in (1, 3)], dim=-1)
+    for lm in (CausalLM(target), StaticCausalLM(target, max_len=64)):
+        lm.aux_layers = (1, 3)
+        lm.reset()
+        lm.forward(seq[:, :4])
+        first = lm.aux
+        lm.forward(seq[:, 4:], logits_to_keep=1)
+        torch.testing.assert_close(torch.cat([first, lm.aux], dim=1), want, atol=1e-5, rtol=1e-5)
+        lm.aux_layers = ()
+        lm.forward(seq[:, :1])
+        assert lm.aux is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_aux_hidden_states_under_cuda_graphs():
+    model = build(device="cuda")
+    seq = torch.randint(0, 97, (1, 40), device="cuda")
+    with torch.no_grad():
+        ref = model(seq, output_hidden_states=True).hidden_states
+    want = torch.cat([ref[i] for i in (0, 2)], dim=-1)
+    lm = StaticCausalLM(model, max_len=128)
+    lm.aux_layers = (0, 2)
+    lm.capture(range(1, 4))
+    lm.forward(seq[:, :30])
+    got = [lm.aux]
+    for a in range(30, 40, 3):  # graph replays of 3 (and finally 1) tokens
+        lm.forward(seq[:, a:a + 3], logits_to_keep=1)
+        got.append(lm.aux)
+    torch.testing.assert_close(torch.cat(got, dim=1), want, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_with_the_head_equals_plain_and_cache_rolls_back(target):
+    head = tiny_head(target)
+    engine = Engine.from_models(target, [head, "prompt_lookup"])
+    prompt = [5, 7, 11, 13, 17, 19, 5, 7]
+    plain = engine.generate(prompt, 24, mode="plain").token_ids
+    for gamma in (1, 3, 6, "auto"):
+        assert engine.generate(prompt, 24, drafters=["draft_head"], gamma=gamma).token_ids == plain
+    assert engine.generate(prompt, 24, gamma="auto").token_ids == plain  # the bandit over every arm
+    drafter = engine.drafters["draft_head"]
+    # after the stream the head's cache holds exactly the verified slots: equal to a fresh run over them
+    length = drafter.cache.length
+    rows = [prompt + plain]
+    fresh = HeadCache(head.cfg, 1, 8, "cpu", torch.float32)
+    with torch.no_grad():
+        feats = torch.cat([target(torch.tensor(rows), output_hidden_states=True).hidden_states[i]
+                           for i in head.cfg.aux_layers], dim=-1)[:, :length]
+        head.step(fresh, torch.tensor(rows)[:, 1:length + 1], head.fc(feats))
+    torch.testing.assert_close(drafter.cache.k[:, :, :length], fresh.k[:, :, :length], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.cache.v[:, :, :length], fresh.v[:, :, :length], atol=1e-4, rtol=1e-4)
+
+
+def test_head_samples_only_its_draft_vocabulary(target):
+    """At temperature 1 every drafted token is a draft-vocabulary id, and q is zero outside it."""
+    head = tiny_head(target, draft_vocab=20)
+    engine = Engine.from_models(target, [head])
+    rows = [[5, 7, 11, 13]]
+    gen = torch.Generator().manual_seed(0)
+    engine._start(rows, SamplingConfig(temperature=1.0), gen)
+    proposal = engine.drafters["draft_head"].propose(rows, 5)
+    allowed = set(head.draft_ids.tolist())
+    assert set(proposal.tokens[0].tolist()) <= allowed
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[head.draft_ids] = False
+    assert proposal.q.shape == (1, 5, V) and float(proposal.q[..., outside].abs().sum()) == 0.0
+    torch.testing.assert_close(proposal.q.sum(-1), torch.ones(1, 5))
+
+
+def test_saved_layout_is_eagle3_and_loads_back(target, tmp_path):
+    head = tiny_head(target)
+    save_head(head, tmp_path, card={"note": "test"})
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE] and config["num_hidden_layers"] == 1
+    assert config["draft_vocab_size"] == 40 and config["vocab_size"] == V
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(head.cfg.aux_layers)
+    assert config["target_hidden_size"] == config["hidden_size"] == 16
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    H, I, D = 16, 32, 8
+    shapes = {"fc.weight": (H, 3 * H), "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+              "midlayer.post_attention_layernorm.weight": (H,), "midlayer.self_attn.q_proj.weight": (2 * D, 2 * H),
+              "midlayer.self_attn.k_proj.weight": (D, 2 * H), "midlayer.self_attn.v_proj.weight": (D, 2 * H),
+              "midlayer.self_attn.o_proj.weight": (H, 2 * D), "midlayer.mlp.gate_proj.weight": (I, H),
+              "midlayer.mlp.up_proj.weight": (I, H), "midlayer.mlp.down_proj.weight": (H, I), "norm.weight": (H,),
+              "lm_head.weight": (40, H), "d2t": (40,), "t2d": (V,)}
+    assert {k: tuple(v.shape) for k, v in weights.items()} == shapes
+    assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
+    assert torch.equal(weights["d2t"] + torch.arange(40), head.draft_ids) and int(weights["t2d"].sum()) == 40
+    loaded = load_head(tmp_path, target.config, target.get_input_embeddings().weight)
+    for name, t in head.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], t.to(torch.bfloat16).to(t.dtype) if t.is_floating_point() else t)
+
+
+def test_missing_or_mismatched_head_files_give_clear_errors(target, tmp_path):
+    embed = target.get_input_embeddings().weight
+    with pytest.raises(HeadMismatchError, match="missing: config.json"):
+        load_head(tmp_path, target.config, embed)
+    save_head(tiny_head(target), tmp_path)
+    other = tiny_llama(vocab=60, seed=1, layers=4)
+    with pytest.raises(HeadMismatchError, match="made for a target"):
+        load_head(tmp_path, other.config, other.get_input_embeddings().weight)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(HeadMismatchError, match="malformed"):
+        load_head(tmp_path, target.config, embed)
