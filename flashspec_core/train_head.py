@@ -1,0 +1,408 @@
+"""Train the draft head (`flashspec_core.draft_head`) on one GPU by self-distillation, then ship it.
+
+    python -m flashspec_core.train_head --out assets/draft_head        # data + training + export, ~20 min on an H200
+
+Stages, each resumable from the checkpoint folder `--ckpt`: (1) a corpus of prompts and answers made by the
+target itself (`flashspec_core.head_data`), saved as `corpus.safetensors`; (2) training with "training-time
+test": every step unrolls the K draft passes of inference (`DraftHead.ttt_forward`) and matches each pass's
+distribution to the target's own next-token distribution (cross-entropy over the draft vocabulary, pass j
+weighted decay**j); held-out loss and acceptance are logged as training goes (`curve.json`); the trainable
+weights are saved in float32 shards of at most 15 MB; (3) export: the EAGLE-3 folder (bfloat16) with a card.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from flashspec_core.draft_head import DraftHead, HeadConfig, save_head
+from flashspec_core.head_data import (Corpus, build_corpus, coverage, draft_vocabulary, excluded, self_prompts,
+                                      templated_prompts)
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARD_BYTES = 15 * 2 ** 20
+TOKEN_OFFSET = 32768  # corpus ids are stored as int16 (id - offset): vocabularies up to 65,536 tokens
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    target: str = "embedded"  # Hub id, folder or "embedded"
+    seed: int = 0
+    self_prompts: int = 9000  # user turns the target writes itself
+    templated_prompts: int = 4500  # prompts of the app's classes, filled by the target
+    max_new_tokens: int = 320  # per answer
+    gen_batch: int = 512  # sequences per generate() call
+    sampled_fraction: float = 0.5  # prompts that also get a temperature-1 answer (all get a greedy one)
+    heldout_fraction: float = 0.03  # prompts whose answers are never trained on
+    draft_vocab: int = 16384  # rows of the head's output layer
+    ttt_steps: int = 7  # draft passes unrolled per training step
+    step_decay: float = 0.8  # loss weight of pass j: decay**j
+    lr: float = 6e-4
+    warmup_steps: int = 60
+    batch_tokens: int = 16384  # padded tokens per training batch
+    max_len: int = 768  # longer sequences are cut
+    data_minutes: float = 4.0  # budget for answering prompts (prompt making comes first)
+    train_minutes: float = 5.0
+    eval_every_s: float = 45.0
+    eval_sequences: int = 192
+
+    def __post_init__(self):
+        if self.ttt_steps < 1 or self.draft_vocab < 1 or self.batch_tokens < self.max_len:
+            raise ValueError(f"need ttt_steps >= 1, draft_vocab >= 1 and batch_tokens >= max_len, got {self}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Batches and the target's side
+
+
+def batches(corpus: Corpus, indices: list[int], cfg: TrainConfig, rng: random.Random | None):
+    """Lists of sequence indices of similar length, about cfg.batch_tokens padded tokens each (shuffled if rng)."""
+    order = sorted(indices, key=lambda i: len(corpus.sequences[i]))
+    out, cur = [], []
+    for i in order:
+        width = min(cfg.max_len, len(corpus.sequences[i]))
+        if cur and (len(cur) + 1) * width > cfg.batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    out += [cur] if cur else []
+    if rng is not None:
+        rng.shuffle(out)
+    return out
+
+
+def pad(corpus: Corpus, idx: list[int], max_len: int, device):
+    """ids [B, T] (right-padded with 0), lengths [B], answer starts [B]."""
+    seqs = [corpus.sequences[i][:max_len] for i in idx]
+    T = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs], device=device)
+    lengths = torch.tensor([len(s) for s in seqs], device=device)
+    starts = torch.tensor([corpus.starts[i] for i in idx], device=device)
+    return ids, lengths, starts
+
+
+@torch.no_grad()
+def target_side(model, ids: torch.Tensor, aux_layers, draft_ids: torch.Tensor):
+    """The target's aux features [B, T, F], its next-token distribution on the draft vocabulary [B, T, Vd]
+    (temperature 1, not renormalised) and its argmax over the whole vocabulary [B, T]."""
+    out = model(input_ids=ids, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1).float()
+    logits = out.logits.float()
+    probs = logits.softmax(dim=-1)[..., draft_ids]
+    return features, probs, logits.argmax(dim=-1)
+
+
+def valid(lengths, starts, T: int, j: int) -> torch.Tensor:
+    """[B, T - 1 - j] bool: slot t's pass j predicts token t + 2 + j, which exists and is part of the answer."""
+    token = torch.arange(T - 1 - j, device=lengths.device)[None, :] + 2 + j
+    return (token < lengths[:, None]) & (token >= starts[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loss and evaluation
+
+
+def pass_loss(head: DraftHead, outs: list[torch.Tensor], probs: torch.Tensor, lengths, starts,
+              cfg: TrainConfig) -> torch.Tensor:
+    """Weighted cross-entropy of every pass against the target's distribution at the position it predicts."""
+    T = probs.shape[1]
+    total, weight = 0.0, 0.0
+    for j, h in enumerate(outs[:T - 1]):
+        mask = valid(lengths, starts, T, j)
+        if not mask.any():
+            continue
+        logp = head.logits(h[:, :T - 1 - j][mask]).log_softmax(dim=-1)  # [N, Vd]
+        ce = -(probs[:, 1 + j:][mask] * logp).sum(dim=-1).mean()
+        total = total + cfg.step_decay ** j * ce
+        weight += cfg.step_decay ** j
+    return total / max(weight, 1e-9)
+
+
+def step_loss(head: DraftHead, model, batch, cfg: TrainConfig) -> torch.Tensor:
+    ids, lengths, starts = batch
+    features, probs, _ = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
+    return pass_loss(head, head.ttt_forward(features, ids, cfg.ttt_steps), probs, lengths, starts, cfg)
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device) -> dict:
+    """Held-out loss, top-1 agreement per pass, and the chain's expected tokens per target forward at
+    K = ttt_steps: greedy answers (exact: a chain is accepted while it equals the target's argmax) and
+    temperature-1 answers (expected: sum over k of the product of sum_v min(p, q) of the first k passes)."""
+    K, losses, tpf = cfg.ttt_steps, [], {True: [], False: []}
+    agree, counted = torch.zeros(K), torch.zeros(K)
+    for idx in batches(corpus, corpus.split(heldout=True)[: cfg.eval_sequences], cfg, None):
+        ids, lengths, starts = pad(corpus, idx, cfg.max_len, device)
+        features, probs, top = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
+        outs = head.ttt_forward(features, ids, K)
+        losses.append(float(pass_loss(head, outs, probs, lengths, starts, cfg)))
+        W = ids.shape[1] - K  # slots whose K passes fit
+        if W <= 0:
+            continue
+        slots = valid(lengths, starts, ids.shape[1], K - 1)[:, :W]  # ... and all predict answer tokens
+        hits, alphas = [], []
+        for j, h in enumerate(outs):
+            logits = head.logits(h[:, :W])
+            hit = head.draft_ids[logits.argmax(-1)] == top[:, 1 + j:1 + j + W]
+            alphas.append(torch.minimum(probs[:, 1 + j:1 + j + W], logits.softmax(-1)).sum(-1))
+            agree[j] += float(hit[slots].sum())
+            counted[j] += float(slots.sum())
+            hits.append(hit)
+        run = 1 + torch.stack(hits, -1).long().cumprod(-1).sum(-1).float()  # greedy: exact accepted chain
+        expect = 1 + torch.stack(alphas, -1).cumprod(-1).sum(-1)  # temperature 1: expected
+        greedy = torch.tensor([corpus.greedy[i] for i in idx], device=device)[:, None]
+        tpf[True] += run[slots & greedy].tolist()
+        tpf[False] += expect[slots & ~greedy].tolist()
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {"loss": mean(losses), "greedy_tokens_per_forward": mean(tpf[True]),
+            "t1_tokens_per_forward": mean(tpf[False]), "K": K,
+            "top1_per_pass": [round(x, 4) for x in (agree / counted.clamp(min=1)).tolist()]}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+
+
+def lr_at(step: int, fraction: float, cfg: TrainConfig) -> float:
+    """Linear warm-up over warmup_steps, then a cosine over the time budget down to 10%."""
+    warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction))))
+
+
+def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device, log=print, curve=None,
+          on_eval=None) -> list[dict]:
+    """Train until cfg.train_minutes pass; evaluate every cfg.eval_every_s (then call on_eval(curve), e.g. to
+    save a checkpoint); returns the curve (appended to)."""
+    curve = [] if curve is None else curve
+    rng = random.Random(cfg.seed + len(curve))
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    budget, t0, step = cfg.train_minutes * 60, time.monotonic(), 0
+    tokens = curve[-1]["tokens_seen"] if curve else 0
+    base_step = curve[-1]["step"] if curve else 0
+    next_eval, losses = 0.0, []
+    while time.monotonic() - t0 < budget:
+        for idx in batches(corpus, corpus.split(heldout=False), cfg, rng):
+            elapsed = time.monotonic() - t0
+            if elapsed >= next_eval or elapsed >= budget:
+                point = {"step": base_step + step, "seconds": round(elapsed, 1), "tokens_seen": tokens,
+                         "train_loss": sum(losses) / len(losses) if losses else None,
+                         **evaluate(head, model, corpus, cfg, device)}
+                curve.append(point)
+                log(json.dumps(point))
+                if on_eval is not None:
+                    on_eval(curve)
+                losses, next_eval = [], elapsed + cfg.eval_every_s
+                if elapsed >= budget:
+                    return curve
+            batch = pad(corpus, idx, cfg.max_len, device)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, elapsed / budget, cfg)
+            loss = step_loss(head, model, batch, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            losses.append(loss.item())
+            tokens += int(batch[1].sum())
+            step += 1
+    return curve
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints (trainable weights in float32 shards, the corpus, the curve) and export
+
+
+def save_checkpoint(head: DraftHead, folder: Path, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {n: t.detach().float().cpu().contiguous() for n, t in head.state_dict().items() if n != "lm_head.weight"}
+    shards, cur, size = [], {}, 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if cur and size + nbytes > SHARD_BYTES:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name], size = t, size + nbytes
+    shards.append(cur)
+    for old in folder.glob("head-*.safetensors"):
+        old.unlink()
+    for i, shard in enumerate(shards):
+        save_file(shard, str(folder / f"head-{i:02d}.safetensors"))
+    (folder / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def load_checkpoint(folder: Path, model) -> tuple[DraftHead, dict]:
+    from safetensors.torch import load_file
+
+    meta = json.loads((folder / "meta.json").read_text())
+    cfg = HeadConfig(**{**meta["head"], "aux_layers": tuple(meta["head"]["aux_layers"])})
+    head = DraftHead(cfg, model.get_input_embeddings().weight)
+    state = {}
+    for shard in sorted(folder.glob("head-*.safetensors")):
+        state.update(load_file(str(shard)))
+    head.set_draft_vocab(state["d2t"] + torch.arange(state["d2t"].numel()))
+    head.load_state_dict(state, strict=False)
+    return head.to(next(model.parameters()).device), meta
+
+
+def save_corpus(corpus: Corpus, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    t = corpus.tensors()
+    t["tokens"] = (t["tokens"] - TOKEN_OFFSET).to(torch.int16)
+    save_file(t, str(path))
+
+
+def load_corpus(path: Path) -> Corpus:
+    from safetensors.torch import load_file
+
+    t = load_file(str(path))
+    t["tokens"] = t["tokens"].to(torch.int32) + TOKEN_OFFSET
+    return Corpus.from_tensors(t)
+
+
+def export(head: DraftHead, meta: dict, out: Path) -> Path:
+    """The shipped folder: EAGLE-3 config and bfloat16 weights (lm_head included), and the card."""
+    card = {"what": "EAGLE-3 style draft head for " + meta["target"], **{k: meta[k] for k in (
+        "recipe", "sizes", "steps", "seed", "hardware", "heldout", "curve", "versions") if k in meta}}
+    return save_head(head, out, card)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command
+
+
+def make_corpus(model, tokenizer, cfg: TrainConfig, log=print) -> Corpus:
+    """Prompts (the target's own user turns and filled templates, minus anything like the app's examples),
+    then answers until the data budget runs out."""
+    rng = random.Random(cfg.seed)
+    examples = [e["prompt"] for e in json.loads((ROOT / "assets" / "examples.json").read_text())]
+    t0 = time.monotonic()
+    prompts = self_prompts(model, tokenizer, cfg.self_prompts, cfg.gen_batch)
+    log(f"{len(prompts)} self-written prompts in {time.monotonic() - t0:.0f} s")
+    prompts += templated_prompts(model, tokenizer, cfg.templated_prompts, cfg.gen_batch, rng)
+    prompts = [p for p in dict.fromkeys(prompts) if not excluded(p, examples)]
+    log(f"{len(prompts)} prompts in {time.monotonic() - t0:.0f} s")
+    deadline = t0 + cfg.data_minutes * 60  # prompts included
+    corpus = build_corpus(model, tokenizer, prompts, max_new=cfg.max_new_tokens, batch=cfg.gen_batch,
+                          heldout_fraction=cfg.heldout_fraction, sampled_fraction=cfg.sampled_fraction, rng=rng,
+                          deadline=deadline)
+    log(f"{len(corpus)} answers, {sum(len(s) - b for s, b in zip(corpus.sequences, corpus.starts))} answer tokens "
+        f"in {time.monotonic() - t0:.0f} s")
+    return corpus
+
+
+def describe(corpus: Corpus, head: DraftHead, cfg: TrainConfig) -> dict:
+    answer = lambda i: len(corpus.sequences[i]) - corpus.starts[i]  # noqa: E731
+    train, held = corpus.split(False), corpus.split(True)
+    return {"train_sequences": len(train), "train_answer_tokens": sum(map(answer, train)),
+            "heldout_sequences": len(held), "heldout_answer_tokens": sum(map(answer, held)),
+            "greedy_answers": sum(corpus.greedy), "sampled_answers": len(corpus) - sum(corpus.greedy),
+            "draft_vocab": head.cfg.draft_vocab_size, "heldout_coverage": round(coverage(corpus, head.draft_ids.cpu()), 4),
+            "trainable_parameters": sum(p.numel() for p in head.parameters() if p.requires_grad)}
+
+
+def heldout_prompts(corpus: Corpus, tokenizer, limit: int = 200) -> list[str]:
+    """The user's words of held-out prompts (each once), for benchmarks on prompts the head never saw."""
+    from flashspec_core.head_data import chat_prefix
+
+    before, after = chat_prefix(tokenizer)
+    texts = [tokenizer.decode(corpus.sequences[i][:corpus.starts[i]]) for i in corpus.split(True)]
+    texts = [t.removeprefix(before).removesuffix(after) for t in texts]
+    return list(dict.fromkeys(texts))[:limit]
+
+
+def new_head(model, corpus: Corpus, cfg: TrainConfig, eos_ids) -> DraftHead:
+    head_cfg = HeadConfig.for_target(model.config, min(cfg.draft_vocab, model.config.vocab_size))
+    head = DraftHead(head_cfg, model.get_input_embeddings().weight).to(next(model.parameters()).device)
+    head.set_draft_vocab(draft_vocabulary(corpus, head_cfg.draft_vocab_size, head_cfg.vocab_size, eos_ids))
+    return head
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m flashspec_core.train_head", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="assets/draft_head", help="the shipped EAGLE-3 folder ('' = no export)")
+    ap.add_argument("--ckpt", default="runs/draft_head", help="checkpoint folder: corpus, weights, curve")
+    ap.add_argument("--resume", action="store_true", help="continue from the checkpoint's weights")
+    ap.add_argument("--train-minutes", type=float, help="override TrainConfig.train_minutes (0 = export only)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override any TrainConfig field")
+    args = ap.parse_args(argv)
+    fields = {f: type(v) for f, v in asdict(TrainConfig()).items()}
+    overrides = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        if name not in fields:
+            ap.error(f"unknown field {name!r}; expected one of {sorted(fields)}")
+        overrides[name] = fields[name](value)
+    if args.train_minutes is not None:
+        overrides["train_minutes"] = args.train_minutes
+    return args, TrainConfig(**overrides)
+
+
+def main(argv=None) -> int:
+    from flashspec_core.models import load_model, pick_device
+
+    args, cfg = parse_args(argv)
+    device = pick_device("auto")
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(cfg.target, device, torch.float32)
+    ckpt = Path(args.ckpt)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    if (ckpt / "corpus.safetensors").exists():
+        corpus = load_corpus(ckpt / "corpus.safetensors")
+    else:
+        corpus = make_corpus(model, tokenizer, cfg)
+        save_corpus(corpus, ckpt / "corpus.safetensors")
+        (ckpt / "heldout_prompts.json").write_text(json.dumps(heldout_prompts(corpus, tokenizer), indent=1))
+    data_s = time.monotonic() - t0
+    eos = [e for e in [tokenizer.eos_token_id] if e is not None]
+    if args.resume:
+        head, meta = load_checkpoint(ckpt, model)
+        meta["train"] = asdict(cfg)
+    else:
+        head = new_head(model, corpus, cfg, eos)
+        meta = {"target": cfg.target, "train": asdict(cfg), "curve": [], "seconds": {}}
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # training only (TF32 matmuls)
+    t1 = time.monotonic()
+    spent = dict(meta["seconds"])
+
+    def checkpoint(curve):
+        meta["seconds"] = {"data": round(data_s + spent.get("data", 0), 1),
+                           "train": round(time.monotonic() - t1 + spent.get("train", 0), 1)}
+        meta.update(head={**asdict(head.cfg), "aux_layers": list(head.cfg.aux_layers)}, seed=cfg.seed,
+                    sizes=sizes, steps=curve[-1]["step"] if curve else 0, heldout=curve[-1] if curve else None,
+                    curve=curve, recipe=RECIPE, hardware=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    versions={"torch": torch.__version__, "transformers": __import__("transformers").__version__})
+        save_checkpoint(head, ckpt, meta)
+
+    sizes = describe(corpus, head, cfg)
+    if cfg.train_minutes > 0:
+        train(head, model, corpus, cfg, device, curve=meta["curve"], on_eval=checkpoint)
+    checkpoint(meta["curve"])
+    if args.out:
+        export(head, meta, Path(args.out))
+    print(json.dumps({k: meta[k] for k in ("sizes", "steps", "heldout", "seconds")}, indent=1))
+    return 0
+
+
+RECIPE = ("Self-distillation, no data set: prompts are user turns the target writes after its own system turn "
+          "(temperature 1) and templates of the app's classes (summaries, document questions, code edits, lists and "
+          "JSON, open requests) filled with passages, code and lists the target wrote first (temperature 0.8); "
+          "prompts resembling assets/examples.json are dropped; every prompt gets the target's greedy answer and a "
+          "share a temperature-1 answer; a held-out share of prompts is never trained on. Loss: training-time test "
+          "over K draft passes, cross-entropy against the target's temperature-1 distribution restricted to the "
+          "draft vocabulary (the most frequent answer tokens), pass j weighted decay**j; AdamW, warm-up, cosine.")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
