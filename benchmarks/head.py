@@ -23,7 +23,7 @@ SAMPLINGS = {"greedy": SamplingConfig(temperature=0.0), "t1": SamplingConfig(tem
 
 
 def heldout_prompts(n: int) -> list[str]:
-    return json.loads((HEADS["embedded"] / "heldout_prompts.json").read_text())[:n]
+    return json.loads((HEADS["embedded"].folder / "heldout_prompts.json").read_text())[:n]
 
 
 def one(engine: Engine, prompt: str, max_new: int, seed: int, **kwargs) -> dict:

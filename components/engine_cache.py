@@ -16,12 +16,11 @@ import threading
 from dataclasses import dataclass, field
 
 from flashspec_core import Engine
-from flashspec_core.drafters import MODEL_FREE
 from flashspec_core.models import pick_device
 from kernels import resolve_backend
 
 from components.background import on_engine_thread
-from components.settings import PairSpec
+from components.settings import NAMED, PairSpec
 
 
 @dataclass
@@ -45,7 +44,7 @@ class LoadProgress:
     """Turns the engine's progress messages into (fraction, message): one step per model to load."""
 
     def __init__(self, spec: PairSpec, report):
-        self.total = 1 + sum(d not in MODEL_FREE for d in spec.drafters)
+        self.total = 1 + sum(d not in NAMED for d in spec.drafters)
         self.done = 0
         self.report = report
 

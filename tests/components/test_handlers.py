@@ -151,7 +151,7 @@ def test_pickers():
     custom = pick_pair("custom")
     assert custom["custom_row"]["visible"] and len(custom["roles"]["choices"]) == 3
     embedded = pick_pair("embedded")
-    assert not embedded["custom_row"]["visible"] and embedded["roles"]["value"] == ["prompt_lookup", "ngram_cache"]
+    assert not embedded["custom_row"]["visible"] and embedded["roles"]["value"] == ["draft_head", "prompt_lookup", "ngram_cache"]
 
 
 def test_example_names_in_the_runs_table():

@@ -30,9 +30,10 @@ def test_resolve_pair():
 
 
 def test_role_choices_follow_the_pair():
-    assert [v for _, v in role_choices(resolve_pair("embedded"))] == ["prompt_lookup", "ngram_cache"]
+    assert [v for _, v in role_choices(resolve_pair("embedded"))] == ["draft_head", "prompt_lookup", "ngram_cache"]
     assert [v for _, v in role_choices(resolve_pair("smollm2-1.7b"))][0] == DRAFT_MODEL
-    assert len(role_choices(None)) == 3
+    assert len(role_choices(None)) == 3  # no head ships for a custom target
+    assert resolve_pair("embedded").label == "SmolLM2-135M-Instruct + draft head"
 
 
 def test_arm_names_map_roles_to_engine_arms():
@@ -40,7 +41,7 @@ def test_arm_names_map_roles_to_engine_arms():
     arms = ["draft:d", "prompt_lookup", "ngram_cache", "no_draft"]
     assert arm_names(spec, arms, [DRAFT_MODEL, "ngram_cache"]) == ["draft:d", "ngram_cache"]
     embedded = resolve_pair("embedded")
-    assert arm_names(embedded, ["prompt_lookup", "ngram_cache", "no_draft"], [DRAFT_MODEL, "ngram_cache"]) == ["ngram_cache"]
+    assert arm_names(embedded, ["draft_head", "prompt_lookup", "ngram_cache", "no_draft"], [DRAFT_MODEL, "ngram_cache"]) == ["ngram_cache"]
     with pytest.raises(ValueError, match="choose at least one drafter"):
         arm_names(embedded, ["prompt_lookup", "ngram_cache", "no_draft"], [DRAFT_MODEL])
 

@@ -22,6 +22,15 @@ def pair():
     return target, draft
 
 
+@pytest.fixture(scope="module")
+def head(pair):
+    """A random draft head over the target's hidden states; its draft vocabulary leaves one token out, so its
+    q has a zero where p has mass."""
+    from tests.flashspec_core.test_draft_head import tiny_head
+
+    return tiny_head(pair[0], draft_vocab=V - 1, seed=4)
+
+
 def exact_laws(target, sampling):
     """Target laws of the first and second emitted token, from full forwards (no cache, no engine code)."""
     with torch.no_grad():
@@ -60,12 +69,12 @@ SAMPLINGS = {"t1": SamplingConfig(temperature=1.0), "topk_topp": SamplingConfig(
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
-@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup"])
+@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup", "draft_head"])
 @pytest.mark.parametrize("K", [1, 4])
-def test_emitted_tokens_follow_target(pair, drafter, K, sampling):
+def test_emitted_tokens_follow_target(pair, head, drafter, K, sampling):
     target, draft = pair
     cfg = SAMPLINGS[sampling]
-    engine = Engine.from_models(target, [draft, "prompt_lookup"], kernel_backend="torch")
+    engine = Engine.from_models(target, [draft, "prompt_lookup", head], kernel_backend="torch")
     first, second, out = first_two_tokens(engine, drafter, K, cfg, seed=K)
     p1, p2 = exact_laws(target, cfg)
     assert 0 < sum(out.num_accepted) < N * K, "the test needs both accepts and rejects"

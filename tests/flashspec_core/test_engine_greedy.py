@@ -34,7 +34,8 @@ def test_greedy_speculative_equals_plain(embedded_engine, prompt):
     greedy = SamplingConfig(temperature=0.0)
     plain = engine.generate(prompt, max_new_tokens=64, sampling=greedy, mode="plain").token_ids
     assert len(plain) == 64 or plain[-1] in engine.eos_ids
-    for drafters, gamma in ((["prompt_lookup"], 4), (["ngram_cache"], 4), (["no_draft"], 4), (None, "auto")):
+    for drafters, gamma in ((["prompt_lookup"], 4), (["ngram_cache"], 4), (["no_draft"], 4), (["draft_head"], 4),
+                            (["draft_head"], "auto"), (None, "auto")):
         result = engine.generate(prompt, max_new_tokens=64, sampling=greedy, gamma=gamma, drafters=drafters)
         assert result.token_ids == plain, f"drafters={drafters} gamma={gamma} diverged"
 
@@ -52,3 +53,9 @@ def test_bandit_run_accepts_drafts_and_saves_forwards(embedded_engine):
     result = embedded_engine.generate(PROMPTS[0], max_new_tokens=64, gamma="auto")
     assert result.stats["target_forwards"] < len(result.token_ids), result.stats
     assert result.stats["acceptance"] > 0
+
+
+def test_shipped_head_drafts_open_text(embedded_engine):
+    """The trained head guesses open text (no prompt to copy): most rounds emit more than one token."""
+    result = embedded_engine.generate(PROMPTS[2], max_new_tokens=64, drafters=["draft_head"], gamma=4)
+    assert result.stats["tokens_per_forward"] > 1.8, result.stats

@@ -1,0 +1,94 @@
+"""A few-step CPU run of the draft head's training recipe on a tiny random target (with the embedded model's
+tokenizer and chat template): the corpus, the draft vocabulary, the loss going down, checkpoints and export."""
+import random
+
+import pytest
+import torch
+
+from flashspec_core import Engine
+from flashspec_core.draft_head import load_head
+from flashspec_core.head_data import Corpus, chat_prefix, coverage, draft_vocabulary
+from flashspec_core.train_head import (TrainConfig, batches, export, load_checkpoint, load_corpus, make_corpus, merge,
+                                       new_head, pad, save_checkpoint, save_corpus, step_loss, train)
+
+CFG = TrainConfig(self_prompts=6, templated_prompts=6, max_new_tokens=10, gen_batch=6, draft_vocab=256, ttt_steps=3,
+                  batch_tokens=512, max_len=256, data_minutes=5, train_minutes=0.02, eval_every_s=1000,
+                  heldout_fraction=0.3, eval_sequences=4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from flashspec_core.models import embedded_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # peaky next-token laws, so the draft vocabulary holds most of their mass
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny):
+    return make_corpus(*tiny, CFG, log=lambda m: None)
+
+
+def test_corpus_is_prompt_then_answer_with_a_heldout_split(tiny, corpus, tmp_path):
+    _, tokenizer = tiny
+    before, after = chat_prefix(tokenizer)
+    assert len(corpus) >= 6 and any(corpus.heldout) and not all(corpus.heldout)
+    assert any(corpus.greedy) and corpus.starts
+    for seq, start in zip(corpus.sequences, corpus.starts):
+        text = tokenizer.decode(seq[:start])
+        assert text.startswith(before) and text.endswith(after) and 0 < len(seq) - start <= CFG.max_new_tokens
+    save_corpus(corpus, tmp_path / "corpus.safetensors")
+    again = load_corpus(tmp_path / "corpus.safetensors")
+    assert again.sequences == corpus.sequences and again.starts == corpus.starts and again.heldout == corpus.heldout
+
+
+def test_draft_vocabulary_is_the_most_frequent_answer_tokens():
+    c = Corpus([[9, 9, 5, 5, 5, 7, 3], [1, 5, 7, 2]], [2, 1], [False, False], [True, True])
+    ids = draft_vocabulary(c, 3, 10, always=[2])
+    assert ids.tolist() == [2, 5, 7]  # end of turn first, then by count (prompt tokens 9, 9 and 1 not counted)
+    assert coverage(c, ids, heldout=False) == pytest.approx(7 / 8)  # answers 5 5 5 7 3 and 5 7 2
+    assert len(merge([c, c])) == 4
+
+
+def test_a_few_steps_lower_the_loss_on_a_batch(tiny, corpus):
+    model, _ = tiny
+    head = new_head(model, corpus, CFG, [2])
+    assert not head.lm_head.weight.requires_grad and head.t2d.sum() == CFG.draft_vocab
+    batch = pad(corpus, batches(corpus, corpus.split(False), CFG, random.Random(0))[0], CFG.max_len, "cpu")
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    first = step_loss(head, model, batch, CFG).item()
+    for _ in range(40):
+        opt.zero_grad()
+        step_loss(head, model, batch, CFG).backward()
+        opt.step()
+    assert step_loss(head, model, batch, CFG).item() < 0.92 * first  # the cross-entropy of the target's laws has a floor well above 0
+    embed_before = model.get_input_embeddings().weight.clone()
+    curve = train(head, model, corpus, CFG, "cpu", log=lambda m: None)
+    assert curve and {"loss", "greedy_tokens_per_forward", "t1_tokens_per_forward", "top1_per_pass"} <= set(curve[-1])
+    assert torch.equal(model.get_input_embeddings().weight, embed_before)  # the target is never trained
+
+
+def test_checkpoint_and_export_load_back_and_draft_exactly(tiny, corpus, tmp_path):
+    model, tokenizer = tiny
+    head = new_head(model, corpus, CFG, [2])
+    meta = {"target": "tiny", "head": {**head.cfg.__dict__, "aux_layers": list(head.cfg.aux_layers)}, "steps": 0}
+    save_checkpoint(head, tmp_path / "ckpt", meta)
+    again, _ = load_checkpoint(tmp_path / "ckpt", model)
+    for name, t in head.state_dict().items():
+        assert torch.equal(again.state_dict()[name], t), name
+    export(again, meta, tmp_path / "out")
+    shipped = load_head(tmp_path / "out", model.config, model.get_input_embeddings().weight)
+    engine = Engine.from_models(model, [shipped], tokenizer=tokenizer)
+    plain = engine.generate("Tell me about rivers.", 12, mode="plain").token_ids
+    assert engine.generate("Tell me about rivers.", 12, drafters=["draft_head"], gamma=3).token_ids == plain
