@@ -7,6 +7,7 @@ from __future__ import annotations
 import numbers
 
 SHOWN_CHARS = 48  # how much of a typed value an error message repeats
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # the seeds torch.Generator.manual_seed accepts: 64-bit integers
 
 
 def shown(value, limit: int = SHOWN_CHARS) -> str:

@@ -16,19 +16,19 @@ from typing import Iterator
 
 import torch
 
-from flashspec_core.bandit import STRATEGIES, ArmState, Bandit, speed_reward
-from flashspec_core.checks import check_text, is_int, shown
+from flashspec_core.bandit import ArmState, Bandit, speed_reward
 from flashspec_core.drafters import MODEL_FREE, DraftModel, Drafter, NoDraft
 from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma, expected_tokens
 from flashspec_core.fast_path import MODES as FAST_PATH_MODES
 from flashspec_core.fast_path import fast_or_eager
+from flashspec_core.bandit import STRATEGIES
+from flashspec_core.checks import SEED_RANGE, check_text, is_int, shown
 from flashspec_core.models import CausalLM, load_model, pick_device, pick_dtype
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from kernels import resolve_backend, verify
 
 MODES = ("speculative", "plain")
 MAX_AUTO_GAMMA = 16
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
 
 # Model pairs are data. Drafter entries: a Hub id or folder (a draft model), or a model-free drafter name.
 PRESETS = {
