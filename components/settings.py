@@ -16,8 +16,8 @@ import gradio as gr
 
 from flashspec_core import MODES, PRESETS, STRATEGIES, SamplingConfig
 from flashspec_core.checks import is_real, shown
-from flashspec_core.models import EMBEDDED_HUB_ID, PUBLIC, LoadPolicy, embedded_package_present, parse_model_name
-from flashspec_core.models import pick_device
+from flashspec_core.models import (EMBEDDED_HUB_ID, PUBLIC, LoadPolicy, embedded_package_present, parse_model_name,
+                                   pick_device)
 from kernels import BACKENDS, resolve_backend, triton_available
 
 DEFAULT_PAIR = "embedded"
