@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.served_app import ROOT, served_app
+from tests.served_app import ROOT, app_env, served_app
 
 ARTIFACTS = ROOT / "tests" / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
@@ -23,9 +23,17 @@ RUN_TIMEOUT_MS = 150_000
 
 
 @pytest.fixture(scope="module")
-def app_url():
-    with served_app(ARTIFACTS / "app.log") as url:
-        yield url
+def served(tmp_path_factory):
+    """The app, with its temporary files in a folder of the test's; gradio told (as in its own end-to-end
+    tests) to drop a closed tab's state after 1 s instead of an hour."""
+    tmp = tmp_path_factory.mktemp("browser-app")
+    with served_app(ARTIFACTS / "app.log", app_env(TMPDIR=str(tmp), GRADIO_IS_E2E_TEST="1")) as url:
+        yield url, tmp
+
+
+@pytest.fixture(scope="module")
+def app_url(served):
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +236,23 @@ def test_each_browser_session_has_its_own_runs(page, app_url):
     other.get_by_role("tab", name="Runs").click()
     assert other.get_by_role("grid", name="Runs in this session").get_attribute("aria-rowcount") == "1"
     other.close()
+
+
+def test_a_closed_tab_takes_its_files_with_it(page, served):
+    url, tmp = served
+    (root,) = tmp.glob("flashspec-sessions-*")
+    before = {p.name for p in root.iterdir()}
+    other = page.context.browser.new_page()
+    other.goto(url)
+    other.get_by_role("button", name="Run", exact=True).wait_for()
+    set_max_tokens(other, 4)
+    assert "tok/s" in click_and_wait(other, "Run", "Done")
+    (mine,) = {p.name for p in root.iterdir()} - before  # the new session's exports
+    other.close()
+    page.wait_for_timeout(500)
+    for _ in range(40):
+        if not (root / mine).exists():
+            break
+        page.wait_for_timeout(250)
+    assert not (root / mine).exists()
+    assert before <= {p.name for p in root.iterdir()}  # the open tab keeps its files
