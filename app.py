@@ -111,7 +111,7 @@ def main(argv=None) -> None:
     gr.set_static_paths([FOLDERS.root])  # exports are served from the sessions' folders, not copied
     build_app(on_zero_gpu()).queue(default_concurrency_limit=1).launch(
         server_name=server_name(args.host, args.share), server_port=args.port, share=args.share,
-        css_paths=[ASSETS / "app.css"], footer_links=["api", "gradio", "settings"], max_file_size="20mb")
+        css_paths=[ASSETS / "app.css"], footer_links=["api", "gradio", "settings"], max_file_size="10mb")
 
 
 if __name__ == "__main__":

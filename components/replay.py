@@ -19,7 +19,7 @@ from components.arms import arms_figure
 from components.runs import COLUMNS, FIELDS, FORMAT, VERSION, Run
 from components.tokens import EMPTY, KINDS
 
-MAX_RUNS, MAX_ROUNDS, MAX_TEXT = 64, 20_000, 2_000  # what a loaded file may hold
+MAX_RUNS, MAX_ROUNDS, MAX_TEXT = 64, 30_000, 2_000  # what a loaded file may hold (rounds: all runs together)
 NAME = re.compile(r"[\w.:+\-/]{1,100}")  # drafter and arm names: no markup
 SPEEDS = (0.1, 1.0)  # the pace slider's range, times real time
 
@@ -122,14 +122,15 @@ def load_document(text: str, source: str = "file") -> list[Run]:
     runs = doc.get("runs")
     if not isinstance(runs, list) or not 0 < len(runs) <= MAX_RUNS:
         raise BadRunFile(f"the file should hold 1 to {MAX_RUNS} runs")
-    out = []
+    out, rounds = [], 0
     for i, r in enumerate(runs):
         where = f"run {i + 1}"
         if not isinstance(r, dict):
             raise BadRunFile(f"{where}: should be an object")
         events = _get(r, "events", list, where)
-        if not events or len(events) > MAX_ROUNDS:
-            raise BadRunFile(f"{where}: should have 1 to {MAX_ROUNDS} rounds")
+        rounds += len(events)
+        if not events or rounds > MAX_ROUNDS:
+            raise BadRunFile(f"{where}: every run should have rounds, at most {MAX_ROUNDS} in the file")
         record = _record(r, where)
         record["run"] = f"{source}: {record['run']}"[:120]
         prompt = r.get("prompt") if isinstance(r.get("prompt"), str) else ""

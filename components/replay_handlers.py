@@ -21,7 +21,7 @@ from components.tokens import EMPTY, stats_markdown, tokens_html
 FRAME_INTERVAL_S = 0.05  # at most this often a new frame while playing
 PLOT_INTERVAL_S = 0.5  # the bandit figure, less often (always on the last frame)
 POLL_S = 0.25  # how often a sleeping replay looks at the Pause button
-MAX_FILE_BYTES = 20 << 20
+MAX_FILE_BYTES = 10 << 20  # as app.py's max_file_size
 
 
 def frame(run: Run, shown: int, plot: bool = True) -> dict:

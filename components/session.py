@@ -15,7 +15,7 @@ from components.exports import FOLDERS
 from components.runs import Run, export_runs
 
 MAX_REPLAYABLE = 24  # runs whose round events a session keeps (older runs keep only their table row)
-MAX_LOADED = 64  # runs loaded from files
+MAX_LOADED_ROUNDS = 30_000  # rounds of the runs loaded from files, all together (the oldest go first)
 
 
 @dataclass
@@ -43,7 +43,9 @@ class Session:
                 self.runs[i] = dataclasses.replace(old, events=())
 
     def load(self, runs: list[Run]) -> None:
-        self.loaded = (self.loaded + runs)[-MAX_LOADED:]
+        self.loaded = self.loaded + runs
+        while sum(len(r.events) for r in self.loaded) > MAX_LOADED_ROUNDS:
+            self.loaded.pop(0)
 
     def replayable(self) -> list[Run]:
         """Runs that can be replayed, newest first: this session's, then the loaded ones."""

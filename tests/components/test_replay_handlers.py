@@ -50,6 +50,10 @@ def test_only_the_last_runs_keep_their_events():
     for i in range(MAX_REPLAYABLE + 2):
         state.add(Run(run_record(f"run {i + 2}", "plain", {}, {}), "", (make_event(0),)))
     assert len(state.runs) == MAX_REPLAYABLE + 3 and len(state.replayable()) == MAX_REPLAYABLE
+    big = Run(run_record("file: run 1", "plain", {}, {}), "", (make_event(0),) * 20_000)
+    state.load([big, big])
+    state.load([Run(run_record("file: run 2", "plain", {}, {}), "", (make_event(0),))])
+    assert [len(r.events) for r in state.loaded] == [20_000, 1]  # the oldest loaded run went
 
 
 def test_a_loaded_file_joins_the_picker_and_its_upload_is_deleted(tmp_path):
