@@ -29,8 +29,9 @@ import torch
 
 from components import engine_cache
 from components.background import on_engine_thread
-from components.handlers import EXAMPLES, Session, open_stream, run_stream
+from components.handlers import EXAMPLES, open_stream, run_stream
 from components.prompt import example_by_name
+from components.session import Session
 from components.settings import parse_settings
 
 OUT = Path(__file__).resolve().parent / "results" / "app_overhead.json"
@@ -48,7 +49,7 @@ def engine_alone(slot, prompt: str, values: dict) -> dict:
     settings = parse_settings(**values)
     t0 = time.perf_counter()
     with slot.lock:  # on the engine thread, like the app: see components/background.py
-        events = on_engine_thread(lambda: list(open_stream(slot, prompt, settings, "speculative")))
+        events = on_engine_thread(lambda: list(open_stream(slot, prompt, settings)))
     wall = time.perf_counter() - t0
     tokens = sum(len(e.emitted) for e in events)
     return dict(tokens=tokens, wall_s=wall, tok_per_s=tokens / wall, rounds=len(events),
@@ -63,7 +64,7 @@ def through_handler(prompt: str, values: dict) -> dict:
     wall = time.perf_counter() - t0
     if not state.runs:
         raise RuntimeError("the handler did not finish a run; see its status line")
-    run = state.runs[-1]
+    run = state.runs[-1].record
     return dict(tokens=run["new_tokens"], wall_s=wall, tok_per_s=run["new_tokens"] / wall, yields=yields,
                 rounds=run["target_forwards"], engine_tok_per_s=run["tok_per_s"])
 

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import gradio as gr
 
+from components.settings import MAX_PROMPT_CHARS
+
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EXAMPLES_PATH = ASSETS / "examples.json"
-READY = "Ready. Pick an example or type a prompt, then **Run** or **Race**."
+READY = ("Ready. Pick an example or type a prompt, then **Run**, or **Race** configuration A against B "
+         "(by default plain against speculative decoding, set under *Side by side*).")
 
 
 def load_examples(path: Path = EXAMPLES_PATH) -> list[dict]:
@@ -36,10 +39,10 @@ def build_prompt(examples: list[dict]) -> dict[str, gr.components.Component]:
     c["example"] = gr.Dropdown([ex["name"] for ex in examples], value=first["name"] if first else None,
                                label="Example prompt", elem_id="example")
     c["prompt"] = gr.Textbox(first["prompt"] if first else "", lines=8, max_lines=20, label="Prompt",
-                             elem_id="prompt")
+                             elem_id="prompt", max_length=MAX_PROMPT_CHARS)
     with gr.Row(equal_height=True):
         c["run_btn"] = gr.Button("Run", variant="primary", elem_id="run-btn", size="md", scale=2)
-        c["race_btn"] = gr.Button("Race plain vs speculative", elem_id="race-btn", size="md", scale=3)
+        c["race_btn"] = gr.Button("Race A vs B", elem_id="race-btn", size="md", scale=3)
         c["stop_btn"] = gr.Button("Stop", variant="stop", elem_id="stop-btn", size="md", scale=1, min_width=70)
     c["status"] = gr.Markdown(READY, elem_id="status")
     return c

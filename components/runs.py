@@ -1,23 +1,57 @@
-"""A/B recording: one record per finished run of the session, as a pandas frame, exported to CSV and JSON."""
+"""The session's runs: one `Run` per finished run or race leg (its runs-table row, its prompt and its round
+events), shown as a pandas frame and exported to CSV (the rows) and JSON (rows, prompts and events: what
+replay needs, loaded back by components.replay).
+
+The JSON export: {"format": "flashspec-runs", "version": 1, "runs": [{<runs-table row>, "prompt": str,
+"events": [<round>, ...]}]}, where a round is RoundEvent's fields with spans as [kind, id, text, p, q] and arms
+as [name, pulls, observations, mean, score] (score null = untried, +inf in the engine).
+"""
 from __future__ import annotations
 
 import json
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import gradio as gr
 import pandas as pd
 
-COLUMNS = ("run", "when", "mode", "example", "pair", "drafters", "bandit", "gamma", "temperature", "top_p",
-           "max_new_tokens", "seed", "backend", "new_tokens", "tok_per_s", "decode_tok_per_s", "acceptance",
-           "tokens_per_forward", "target_forwards", "elapsed_s", "prefill_s", "speedup", "pulls", "finished")
+from flashspec_core import RoundEvent
+
+COLUMNS = ("run", "leg", "when", "mode", "example", "pair", "models", "drafters", "bandit", "gamma", "temperature",
+           "top_p", "max_new_tokens", "seed", "backend", "new_tokens", "tok_per_s", "decode_tok_per_s",
+           "acceptance", "tokens_per_forward", "target_forwards", "elapsed_s", "prefill_s", "speedup", "pulls",
+           "finished")
 ROUNDED = {"tok_per_s": 2, "decode_tok_per_s": 2, "acceptance": 3, "tokens_per_forward": 3, "elapsed_s": 3,
            "prefill_s": 3, "speedup": 3}
+FORMAT, VERSION = "flashspec-runs", 1  # the JSON export's header
+FIELDS = ("index", "mode", "drafter", "gamma", "accepted", "rejected", "resampled", "bonus", "spans", "text",
+          "draft_s", "verify_s", "round_s", "elapsed_s", "new_tokens", "arms", "finished")  # a round's, in JSON
 
 
-def run_record(run: str, mode: str, settings: dict, stats: dict, example: str = "", speedup: float | None = None) -> dict:
+@dataclass(frozen=True)
+class Run:
+    """A finished run (or race leg): its runs-table row, and what replay needs."""
+    record: dict  # run_record(): flat, the runs table's columns
+    prompt: str = ""
+    events: tuple[RoundEvent, ...] = ()  # dropped (empty) for old runs, to bound a session's memory
+
+    @property
+    def name(self) -> str:
+        """'run 3', 'race 2 · A', or a loaded run's name."""
+        leg = self.record.get("leg")
+        return f"{self.record['run']} · {leg}" if leg else str(self.record["run"])
+
+    def label(self) -> str:
+        r = self.record
+        return f"{self.name}: {r.get('mode')}, {r.get('new_tokens')} tokens, {r.get('example') or r.get('pair')}"
+
+
+def run_record(run: str, mode: str, settings: dict, stats: dict, example: str = "", speedup: float | None = None,
+               leg: str = "") -> dict:
     """A flat row: the run id, its settings (RunSettings.record()) and its stats (the engine's summarize())."""
-    row = {"run": run, "when": time.strftime("%H:%M:%S"), "mode": mode, "example": example, **settings,
+    row = {"run": run, "leg": leg, "when": time.strftime("%H:%M:%S"), "mode": mode, "example": example, **settings,
            **{k: stats.get(k) for k in COLUMNS if k in stats}, "speedup": speedup}
     row["pulls"] = " ".join(f"{k}:{v}" for k, v in (stats.get("pulls") or {}).items())
     return {k: row.get(k) for k in COLUMNS}
@@ -30,13 +64,26 @@ def runs_frame(records: list[dict]) -> pd.DataFrame:
     return frame
 
 
-def export_runs(records: list[dict], folder: Path) -> tuple[Path, Path]:
-    """Write runs.csv and runs.json (full precision) into folder; return their paths."""
+def event_to_dict(e: RoundEvent) -> dict:
+    d = {f: getattr(e, f) for f in FIELDS}
+    d["accepted"], d["rejected"] = list(e.accepted), list(e.rejected)
+    d["spans"] = [[s.kind, s.id, s.text, s.p, s.q] for s in e.spans]
+    d["arms"] = [[a.name, a.pulls, a.observations, a.mean, a.score if math.isfinite(a.score) else None]
+                 for a in e.arms]
+    return d
+
+
+def export_document(runs: list[Run]) -> dict:
+    return {"format": FORMAT, "version": VERSION,
+            "runs": [{**r.record, "prompt": r.prompt, "events": [event_to_dict(e) for e in r.events]} for r in runs]}
+
+
+def export_runs(runs: list[Run], folder: Path, tag: str = "") -> tuple[Path, Path]:
+    """Write flashspec_runs{tag}.csv (the rows) and .json (rows, prompts, round events) into folder."""
     folder.mkdir(parents=True, exist_ok=True)
-    frame = pd.DataFrame(records, columns=list(COLUMNS))
-    csv, js = folder / "flashspec_runs.csv", folder / "flashspec_runs.json"
-    frame.to_csv(csv, index=False)
-    js.write_text(json.dumps(records, indent=1))
+    csv, js = folder / f"flashspec_runs{tag}.csv", folder / f"flashspec_runs{tag}.json"
+    pd.DataFrame([r.record for r in runs], columns=list(COLUMNS)).to_csv(csv, index=False)
+    js.write_text(json.dumps(export_document(runs), allow_nan=False))
     return csv, js
 
 
@@ -46,6 +93,7 @@ def build_runs() -> dict[str, gr.components.Component]:
                                    interactive=False, max_height=360)
     with gr.Row():
         c["download_csv"] = gr.DownloadButton("Download CSV", value=None, interactive=False, elem_id="download-csv")
-        c["download_json"] = gr.DownloadButton("Download JSON", value=None, interactive=False, elem_id="download-json")
+        c["download_json"] = gr.DownloadButton("Download JSON (replayable)", value=None, interactive=False,
+                                               elem_id="download-json")
         c["clear_runs"] = gr.Button("Clear runs", elem_id="clear-runs", variant="secondary")
     return c

@@ -3,10 +3,13 @@
 Each token kind has its own class (`tok-accepted`, `tok-rejected`, `tok-resampled`, `tok-bonus`, `tok-plain`;
 colours in assets/app.css). The latest round's rejected drafts are shown struck through; they are dropped
 once the next round arrives. Whitespace is kept verbatim: the container is `white-space: pre-wrap`.
+Special tokens (e.g. the end-of-turn `<|im_end|>`) are drawn as a small marker (CSS, from `data-marker`), not
+as text, so copying the text does not copy them.
 """
 from __future__ import annotations
 
 import html
+import re
 
 import gradio as gr
 
@@ -21,12 +24,25 @@ KIND_LABELS = {
     "plain": "plain decoding",
 }
 EMPTY = '<div class="fs-tokens fs-empty">The generated text appears here, round by round.</div>'
+SPECIAL = re.compile(r"<\|[A-Za-z0-9_\-]{1,40}\|>|</?s>|<(?:eos|bos|pad|unk|eot)>")  # one token's whole text
+END_OF_TURN = re.compile(r"<\|(?:im_end|endoftext|end_of_text|eot_id|eom_id|end)\|>|</s>|<eos>|<eot>")
+
+
+def special_marker(text: str) -> str | None:
+    """The marker drawn for a special token ('end' for an end of turn, else its name), None for text."""
+    if not SPECIAL.fullmatch(text):
+        return None
+    return "end" if END_OF_TURN.fullmatch(text) else text.strip("<|>/")
 
 
 def span_html(span: TokenSpan, drafter: str) -> str:
-    """One token as a span whose title gives its drafter, p and q."""
+    """One token as a span whose title gives its drafter, p and q; a special token as an empty marked span."""
     q = "" if span.q is None else f" · q = {span.q:.3f}"
-    title = html.escape(f"{KIND_LABELS[span.kind]} · drafter: {drafter}\np = {span.p:.3f}{q}").replace("\n", "&#10;")
+    marker = special_marker(span.text)
+    token = f"\ntoken {span.text}" if marker else ""
+    title = html.escape(f"{KIND_LABELS[span.kind]} · drafter: {drafter}\np = {span.p:.3f}{q}{token}").replace("\n", "&#10;")
+    if marker:
+        return f'<span class="tok tok-{span.kind} tok-special" title="{title}" data-marker="{html.escape(marker)}"></span>'
     return f'<span class="tok tok-{span.kind}" title="{title}">{html.escape(span.text)}</span>'
 
 

@@ -1,9 +1,15 @@
 """Connects name-keyed handlers to components: inputs are passed by name, yielded {name: value} updates are
-mapped to {component: value}; `wire` attaches such a handler to an event. Also the Hugging Face Spaces GPU decorator, a no-op where `spaces` is absent.
+mapped to {component: value}; `wire` attaches such a handler to an event.
+
+Also the Hugging Face Spaces GPU decorator (a no-op where `spaces` is absent, or on hardware other than
+ZeroGPU). It wraps the name-keyed handler itself, so on ZeroGPU all of a run's torch work happens inside the
+decorated function (in the forked worker that `spaces` runs it in), and what crosses the process boundary is
+plain data: the handler's arguments and its {name: value} updates, mapped to components back in the server.
 """
 from __future__ import annotations
 
 import inspect
+import os
 
 import gradio as gr
 
@@ -14,6 +20,11 @@ try:  # on Hugging Face Spaces (ZeroGPU); import before anything initialises CUD
 except ImportError:
     def gpu(fn):
         return fn
+
+
+def on_zero_gpu(environ=os.environ) -> bool:
+    """True on ZeroGPU hardware (what `spaces` itself reads): there GPU calls run in a forked worker process."""
+    return environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
 
 
 def bind(handler, ui: dict, inputs: list[str]):
@@ -52,6 +63,7 @@ def bind(handler, ui: dict, inputs: list[str]):
 
 
 def wire(listener, handler, ui: dict, inputs: list[str], outputs: list[str], on_gpu: bool = False, **kwargs):
-    """Attach handler to an event listener (e.g. button.click), inputs and outputs given by name."""
-    fn = bind(handler, ui, inputs)
-    return listener(gpu(fn) if on_gpu else fn, [ui[n] for n in inputs], [ui[n] for n in outputs], **kwargs)
+    """Attach handler to an event listener (e.g. button.click), inputs and outputs given by name; on_gpu wraps
+    the handler in the Spaces GPU decorator."""
+    fn = bind(gpu(handler) if on_gpu else handler, ui, inputs)
+    return listener(fn, [ui[n] for n in inputs], [ui[n] for n in outputs], **kwargs)

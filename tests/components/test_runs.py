@@ -2,7 +2,9 @@ import json
 
 import pandas as pd
 
-from components.runs import COLUMNS, export_runs, run_record, runs_frame
+from fake_events import make_event
+
+from components.runs import COLUMNS, FORMAT, Run, export_runs, run_record, runs_frame
 
 SETTINGS = {"pair": "embedded", "drafters": "prompt_lookup+ngram_cache", "gamma": "4", "temperature": 0.0,
             "top_p": 1.0, "max_new_tokens": 16, "seed": 0, "bandit": "ucb1", "backend": "auto"}
@@ -25,9 +27,19 @@ def test_frame_rounds_for_display():
     assert runs_frame([]).empty
 
 
-def test_exports_round_trip(tmp_path):
-    records = [run_record("race 1", "plain", SETTINGS, STATS), run_record("race 1", "speculative", SETTINGS, STATS, "", 2.0)]
-    csv, js = export_runs(records, tmp_path / "out")
+def test_exports_round_trip(tmp_path, events):
+    records = [run_record("race 1", "plain", SETTINGS, STATS, leg="A"),
+               run_record("race 1", "speculative", SETTINGS, STATS, "", 2.0, leg="B")]
+    runs = [Run(records[0], "hi", tuple(events)), Run(records[1], "hi", ())]
+    csv, js = export_runs(runs, tmp_path / "out", tag="_1")
+    assert csv.name == "flashspec_runs_1.csv"
     back = pd.read_csv(csv)
     assert list(back["mode"]) == ["plain", "speculative"] and back.loc[1, "speedup"] == 2.0
-    assert json.loads(js.read_text()) == records
+    assert list(back["leg"]) == ["A", "B"]
+    doc = json.loads(js.read_text())  # standard JSON: no NaN or Infinity (an untried arm's +inf is null)
+    assert doc["format"] == FORMAT and [r["run"] for r in doc["runs"]] == ["race 1", "race 1"]
+    assert {k: doc["runs"][0][k] for k in COLUMNS} == records[0] and doc["runs"][0]["prompt"] == "hi"
+    first = doc["runs"][0]["events"][0]
+    assert first["spans"][0] == ["accepted", 10, "def", 0.9, 1.0] and first["arms"][2] == ["no_draft", 0, 1, 0.5, None]
+    assert len(doc["runs"][0]["events"]) == 3 and doc["runs"][1]["events"] == []
+    assert Run(records[1]).name == "race 1 · B" and make_event(0).text

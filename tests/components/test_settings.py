@@ -2,8 +2,9 @@ import pytest
 import torch
 
 from components.settings import (CUSTOM, DRAFT_MODEL, MAX_UI_GAMMA, PairSpec, arm_names, backend_choices,
-                                 pair_choices, parse_gamma, parse_settings, resolve_pair, role_choices)
+                                 pair_choices, parse_gamma, parse_leg, parse_settings, resolve_pair, role_choices)
 from flashspec_core import PRESETS
+from flashspec_core.models import LoadPolicy
 from kernels import triton_available
 
 GOOD = dict(pair="embedded", target="", draft="", roles=["prompt_lookup", "ngram_cache"], gamma_auto=False, gamma=4,
@@ -56,18 +57,47 @@ def test_gamma():
 
 def test_parse_settings_accepts_slider_floats():
     s = parse_settings(**{**GOOD, "max_new_tokens": 16.0, "seed": 3.0, "roles": ["ngram_cache", DRAFT_MODEL]})
-    assert s.max_new_tokens == 16 and s.seed == 3 and s.roles == (DRAFT_MODEL, "ngram_cache")
+    assert s.max_new_tokens == 16 and s.seed == 3 and s.roles == ("ngram_cache",)  # the embedded pair has no draft model
     assert s.sampling.greedy and s.record()["gamma"] == "4"
+    big = parse_settings(**{**GOOD, "pair": "smollm2-1.7b", "roles": ["ngram_cache", DRAFT_MODEL]})
+    assert big.roles == (DRAFT_MODEL, "ngram_cache")  # in the pair's order
+    assert big.record()["pair"] == "smollm2-1.7b" and "SmolLM2-1.7B-Instruct" in big.record()["models"]
+
+
+def test_roles_come_from_the_preset_so_new_drafters_need_no_code(monkeypatch):
+    monkeypatch.setitem(PRESETS, "embedded", dict(target="embedded", drafters=["prompt_lookup", "ngram_cache", "draft_head"]))
+    spec = resolve_pair("embedded")
+    assert role_choices(spec) == [("prompt lookup", "prompt_lookup"), ("n-gram cache", "ngram_cache"),
+                                  ("draft head", "draft_head")]
+    s = parse_settings(**{**GOOD, "roles": ["draft_head"]})
+    assert s.roles == ("draft_head",) and "draft head" in s.describe()
+    assert arm_names(spec, ["prompt_lookup", "ngram_cache", "draft_head", "no_draft"], ["draft_head"]) == ["draft_head"]
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(bandit="greedy"), "unknown bandit strategy 'greedy'"),
     (dict(backend="cuda"), "unknown backend 'cuda'"),
     (dict(top_p=0.0), "top_p must be in"),
-    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=-1.0), "temperature must be a number in 0.0..2.0"),
+    (dict(temperature=float("nan")), "temperature must be a number in 0.0..2.0, got nan"),
+    (dict(temperature="0.5"), "temperature must be a number in 0.0..2.0, got '0.5'"),
+    (dict(temperature=None), "temperature must be a number in 0.0..2.0, got None"),
+    (dict(top_p=float("nan")), "top_p must be a number in 0.0..1.0, got nan"),
     (dict(max_new_tokens=0), "max new tokens must be"),
+    (dict(max_new_tokens=2.5), "max new tokens must be an integer"),
     (dict(seed=-1), "seed must be"),
+    (dict(seed=1e300), "seed must be an integer in 0..18446744073709551615"),
+    (dict(seed=True), "seed must be an integer"),
     (dict(roles=[]), "choose at least one drafter"),
+    (dict(roles=[["x"]]), "drafters must be a list of names"),
+    (dict(gamma_auto="yes"), "auto gamma must be true or false, got 'yes'"),
+    (dict(gamma=float("inf")), "gamma must be an integer in 1..16, got inf"),
+    (dict(bandit=None), "unknown bandit strategy None"),
+    (dict(pair={"a": 1}), "unknown model pair"),
+    (dict(pair="custom", target=12), "the target model must be text, got int"),
+    (dict(pair="custom", target="a/b/c"), "model name 'a/b/c' is not a Hub id"),
+    (dict(pair="custom", target="org/t", draft="/etc/passwd"), "local model folders are off on this server"),
+    (dict(mode="fast"), "unknown mode 'fast'"),
 ])
 def test_parse_settings_rejects(change, message):
     with pytest.raises(ValueError, match=message):
@@ -78,3 +108,29 @@ def test_backend_choices_say_what_runs_here():
     labels = dict((v, label) for label, v in backend_choices(torch.device("cpu")))
     assert labels["auto"] == "auto (here: torch)"
     assert ("unavailable" in labels["triton"]) == (not triton_available(torch.device("cpu")))
+
+
+def test_plain_mode_ignores_the_drafter_pickers():
+    s = parse_settings(**{**GOOD, "roles": None, "gamma": None}, mode="plain")
+    assert s.mode == "plain" and s.gamma == 0
+    assert s.record()["drafters"] == "" and s.describe().startswith("plain decoding · embedded")
+
+
+def test_a_leg_reads_its_own_pickers_and_the_shared_sampling():
+    values = {"temperature": 0.5, "top_p": 0.9, "max_new_tokens": 8, "seed": 2}
+    for leg, mode in (("a", "plain"), ("b", "speculative")):
+        values |= {f"{leg}_{k}": v for k, v in GOOD.items() if k not in values} | {f"{leg}_mode": mode}
+    values["b_gamma"] = 6
+    a, b = parse_leg("a", values), parse_leg("b", values)
+    assert (a.mode, b.mode, b.gamma, a.sampling, a.seed) == ("plain", "speculative", 6, b.sampling, 2)
+    values["b_bandit"] = "best"
+    with pytest.raises(ValueError, match="configuration B: unknown bandit strategy 'best'"):
+        parse_leg("b", values)
+
+
+def test_folders_are_checked_against_the_policy(tmp_path):
+    (tmp_path / "m").mkdir()
+    allowed = LoadPolicy(local_roots=(str(tmp_path),))
+    assert resolve_pair(CUSTOM, str(tmp_path / "m"), policy=allowed).target == str(tmp_path / "m")
+    with pytest.raises(ValueError, match="local model folders are off"):
+        resolve_pair(CUSTOM, str(tmp_path / "m"))

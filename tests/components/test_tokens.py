@@ -65,3 +65,14 @@ def test_stats_markdown():
     assert "**49.6 tok/s**" in line and "88%" in line and "4.36 tokens/target forward" in line
     assert "stopped: length" in line and "stopped" not in stats_markdown(stats, live=True)
     assert stats_markdown({}) == "&nbsp;"
+
+
+def test_end_of_turn_tokens_are_a_marker_not_text():
+    out = span_html(TokenSpan("bonus", 2, "<|im_end|>", 0.98, None), "prompt_lookup")
+    assert 'class="tok tok-bonus tok-special"' in out and 'data-marker="end"' in out
+    assert out.endswith("></span>")  # no text inside: copying the answer does not copy the token
+    assert "token &lt;|im_end|&gt;" in out  # the hover still names it
+    for text, marker in (("<|endoftext|>", "end"), ("</s>", "end"), ("<|eot_id|>", "end"), ("<|im_start|>", "im_start")):
+        assert f'data-marker="{marker}"' in span_html(TokenSpan("accepted", 1, text, 0.5, 1.0), "d")
+    for text in ("<b>", "<|", "a <|im_end|>", "|>", "<s >"):
+        assert "tok-special" not in span_html(TokenSpan("accepted", 1, text, 0.5, 1.0), "d"), text

@@ -1,10 +1,11 @@
 """Bad input gets a clear ValueError (or ModelUnavailableError, a ValueError) and leaves the engine usable."""
+import math
 import time
 
 import pytest
 import torch
 
-from flashspec_core import Engine, ModelUnavailableError, SamplingConfig
+from flashspec_core import Engine, EngineBusyError, ModelUnavailableError, SamplingConfig
 from flashspec_core.engine import check_same_vocabulary
 from tests.conftest import tiny_llama
 
@@ -26,6 +27,25 @@ def tiny_engine():
     (dict(mode="fast"), "unknown mode 'fast'"),
     (dict(drafters=["nope"]), "unknown drafters"),
     (dict(bandit="greedy"), "unknown bandit strategy"),
+    (dict(prompt=b"abc"), "must be a str or a list of token ids"),
+    (dict(prompt=bytearray(b"ab")), "must be a str or a list of token ids"),
+    (dict(prompt=[1.7]), r"token ids must be ints, got 1.7 \(float\)"),
+    (dict(prompt=[1, True]), r"token ids must be ints, got True \(bool\)"),
+    (dict(prompt="\ud800 hi"), r"lone surrogate \(U\+D800\) at character 0"),
+    (dict(prompt=12), "must be a str or a list of token ids"),
+    (dict(seed=2**70), "seed must be a 64-bit integer"),
+    (dict(seed=-(2**63) - 1), "seed must be a 64-bit integer"),
+    (dict(seed="abc"), "seed must be a 64-bit integer .* got 'abc'"),
+    (dict(seed=1.5), "seed must be a 64-bit integer"),
+    (dict(seed=True), "seed must be a 64-bit integer"),
+    (dict(seed=float("nan")), "seed must be a 64-bit integer"),
+    (dict(max_new_tokens=True), "max_new_tokens must be a positive integer"),
+    (dict(max_new_tokens=4.0), "max_new_tokens must be a positive integer"),
+    (dict(chat="yes"), "chat must be True or False"),
+    (dict(drafters="prompt_lookup"), "drafters must be a list of drafter names"),
+    (dict(drafters=[["x"]]), "drafters must be a list of drafter names"),
+    (dict(mode=["plain"]), "unknown mode"),
+    (dict(bandit=["ucb1"]), "unknown bandit strategy"),
 ])
 def test_bad_request_raises_and_engine_still_works(tiny_engine, kwargs, message):
     args = dict(prompt=[1, 2, 3], max_new_tokens=8)
@@ -40,6 +60,14 @@ def test_bad_request_raises_and_engine_still_works(tiny_engine, kwargs, message)
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-2), "top_k must be an integer >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0 .* finite, got nan"),
+    (dict(temperature=float("inf")), "temperature must be >= 0 .* finite, got inf"),
+    (dict(temperature="0.5"), "temperature must be >= 0"),
+    (dict(temperature=True), "temperature must be >= 0"),
+    (dict(temperature=1e-30), r"temperature must be 0 \(greedy\) or at least 1e-06"),
+    (dict(top_p=float("nan")), r"top_p must be in \(0, 1\], got nan"),
+    (dict(top_k=2.0), "top_k must be an integer >= 0"),
+    (dict(top_k=False), "top_k must be an integer >= 0"),
 ])
 def test_bad_sampling(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -93,3 +121,45 @@ def test_unknown_model_without_offline_flag_fails_fast_and_clearly():
 def test_unknown_model_free_drafter():
     with pytest.raises(ValueError, match="unknown drafter 'medusa'"):
         Engine.from_models(tiny_llama(), ["medusa"])
+
+
+def test_large_start_of_range_values_are_accepted(tiny_engine):
+    """The edges of the seed range, numpy-style integers and tuples of ids are all fine."""
+    import numpy as np
+
+    base = tiny_engine.generate([1, 2, 3], max_new_tokens=4, seed=(1 << 64) - 1).token_ids
+    assert tiny_engine.generate((np.int64(1), 2, 3), max_new_tokens=np.int64(4), seed=(1 << 64) - 1).token_ids == base
+    assert len(tiny_engine.generate([1, 2, 3], max_new_tokens=4, seed=-(1 << 63)).token_ids) == 4
+
+
+def test_error_messages_quote_only_a_short_prefix(tiny_engine):
+    huge = "x" * 100_000
+    for kwargs in (dict(gamma=huge), dict(mode=huge), dict(bandit=huge), dict(drafters=[huge]), dict(seed=huge)):
+        with pytest.raises(ValueError) as info:
+            tiny_engine.generate([1, 2, 3], max_new_tokens=4, **kwargs)
+        assert len(str(info.value)) < 300, (list(kwargs), len(str(info.value)))
+        assert "characters)" in str(info.value)  # says how long the value was
+    with pytest.raises(ValueError) as info:
+        SamplingConfig(temperature=huge)
+    assert len(str(info.value)) < 200
+
+
+def test_a_second_open_stream_is_refused_and_the_first_is_unharmed(tiny_engine):
+    args = dict(max_new_tokens=12, sampling=SamplingConfig(temperature=1.0), gamma=3, seed=5, drafters=["prompt_lookup"])
+    expected = [e.emitted for e in tiny_engine.stream([1, 2, 3], **args)]
+    first = tiny_engine.stream([1, 2, 3], **args)
+    got = [next(first).emitted]
+    second = tiny_engine.stream([4, 5], **args)  # validation is eager and fine; the refusal comes when it starts
+    with pytest.raises(EngineBusyError, match="another stream of this engine is still open"):
+        next(second)
+    got += [e.emitted for e in first]
+    assert got == expected
+    third = tiny_engine.stream([1, 2, 3], **args)
+    next(third)
+    third.close()  # closing releases the engine as draining does
+    assert [e.emitted for e in tiny_engine.stream([1, 2, 3], **args)] == expected
+
+
+def test_nan_temperature_never_reaches_the_round(tiny_engine):
+    with pytest.raises(ValueError, match="finite"):
+        tiny_engine.generate([1, 2, 3], max_new_tokens=4, sampling=SamplingConfig(temperature=math.nan))
