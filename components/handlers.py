@@ -55,12 +55,6 @@ def error_message(e: BaseException) -> str:
             "(the server log has the details).")
 
 
-def stream_stats(events: list[RoundEvent]) -> dict:
-    """The engine's summary of a (partial) stream; prefill = time to the first round minus that round's own time."""
-    prefill = events[0].elapsed_s - events[0].round_s if events else 0.0
-    return summarize(events, prefill)
-
-
 def failure(e: BaseException) -> dict:
     """The updates that end a failed run; unexpected errors (not ValueError) are also logged with a traceback."""
     if not isinstance(e, ValueError):
@@ -155,7 +149,7 @@ def run_stream(state: Session, prompt, example="", keep_rejected=False, progress
                 if done or state.stop_requested:
                     break
                 update = {"tokens": tokens_html(events, live=True, keep_rejected=keep_rejected),
-                          "stream_stats": stats_markdown(stream_stats(events), live=True),
+                          "stream_stats": stats_markdown(summarize(events), live=True),
                           "status": f"Generating … round {len(events)}, {events[-1].new_tokens} tokens"}
                 if time.perf_counter() - plotted >= PLOT_INTERVAL_S:
                     update["arms_plot"] = arms_figure(events, settings.bandit)
@@ -171,7 +165,7 @@ def run_stream(state: Session, prompt, example="", keep_rejected=False, progress
 
 def finish_run(state: Session, prompt: str, example, keep_rejected: bool, settings: RunSettings, events, done):
     """The last updates of a Run: the final text and figure, and (when it finished) its runs-table row."""
-    stats = stream_stats(events)
+    stats = summarize(events)
     state.last_events = events
     final = {"tokens": tokens_html(events, live=False, keep_rejected=keep_rejected),
              "arms_plot": arms_figure(events, settings.bandit)}
@@ -225,7 +219,7 @@ def race_leg(state: Session, prompt: str, leg: str, settings: RunSettings, slot,
         with closing(in_background(open_stream(slot, prompt, settings), TEXT_INTERVAL_S)) as updates:
             for events, done in updates:
                 yield {f"{leg}_tokens": tokens_html(events, live=not done, keep_rejected=keep_rejected),
-                       f"{leg}_stats": stats_markdown(stream_stats(events), live=not done),
+                       f"{leg}_stats": stats_markdown(summarize(events), live=not done),
                        "status": f"Racing: {leg.upper()} ({settings.mode}), {events[-1].new_tokens} tokens"}
                 if state.stop_requested:
                     return None
@@ -235,7 +229,7 @@ def race_leg(state: Session, prompt: str, leg: str, settings: RunSettings, slot,
 
 
 def finish_race(state: Session, prompt: str, example, legs: dict[str, RunSettings], events: dict[str, list]):
-    stats = {leg: stream_stats(events[leg]) for leg in LEGS}
+    stats = {leg: summarize(events[leg]) for leg in LEGS}
     ratio = speedup(stats["a"], stats["b"])
     run, name = state.next_id("race"), example_name(prompt, example)
     for leg in LEGS:

@@ -93,7 +93,8 @@ def event_from_dict(d, where: str) -> RoundEvent:
         spans=tuple(_span(s, where) for s in spans), text=_get(d, "text", str, where)[:MAX_TEXT * 64],
         draft_s=_get(d, "draft_s", float, where), verify_s=_get(d, "verify_s", float, where),
         round_s=_get(d, "round_s", float, where), elapsed_s=_get(d, "elapsed_s", float, where),
-        new_tokens=_get(d, "new_tokens", int, where), arms=tuple(_arm(a, where) for a in arms), finished=finished)
+        new_tokens=_get(d, "new_tokens", int, where), arms=tuple(_arm(a, where) for a in arms), finished=finished,
+        prefill_s=_get(d, "prefill_s", float, where, optional=True) or 0.0)  # absent in files of earlier versions
 
 
 def _record(d: dict, where: str) -> dict:

@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from flashspec_core.engine import summarize
+
 from components.arms import arms_figure
-from components.handlers import replay_choices, stream_stats
+from components.handlers import replay_choices
 from components.replay import BadRunFile, due, load_document, position, wait_for
 from components.runs import Run
 from components.session import Session
@@ -29,7 +31,7 @@ def frame(run: Run, shown: int, plot: bool = True) -> dict:
     events = list(run.events[:shown])
     live = shown < len(run.events)
     out = {"replay_tokens": tokens_html(events, live=live) if events else EMPTY,
-           "replay_stats": stats_markdown(stream_stats(events), live=live) if events else "&nbsp;",
+           "replay_stats": stats_markdown(summarize(events), live=live) if events else "&nbsp;",
            "replay_position": position(list(run.events), shown)}
     if plot:
         out["replay_arms"] = arms_figure(events, run.record.get("bandit") or "")

@@ -27,7 +27,7 @@ ROUNDED = {"tok_per_s": 2, "decode_tok_per_s": 2, "acceptance": 3, "tokens_per_f
            "prefill_s": 3, "speedup": 3}
 FORMAT, VERSION = "flashspec-runs", 1  # the JSON export's header
 FIELDS = ("index", "mode", "drafter", "gamma", "accepted", "rejected", "resampled", "bonus", "spans", "text",
-          "draft_s", "verify_s", "round_s", "elapsed_s", "new_tokens", "arms", "finished")  # a round's, in JSON
+          "draft_s", "verify_s", "round_s", "elapsed_s", "new_tokens", "arms", "finished", "prefill_s")  # a round's, in JSON
 
 
 @dataclass(frozen=True)

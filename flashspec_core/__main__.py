@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         return 2
     from flashspec_core.engine import summarize
 
-    stats = summarize(events, engine._prefill_s)
+    stats = summarize(events)
     print("\n")
     if not args.no_color:
         print("legend: " + " ".join(f"{c}{k}{RESET}" for k, c in COLOURS.items() if k != "plain"))

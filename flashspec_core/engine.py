@@ -88,6 +88,7 @@ class RoundEvent:
     new_tokens: int  # tokens generated so far
     arms: tuple[ArmState, ...]  # bandit state after this round (empty without a bandit)
     finished: str | None  # "eos" | "length" | None
+    prefill_s: float = 0.0  # the stream's prefill (the same on every event), included in elapsed_s
 
     @property
     def emitted(self) -> tuple[int, ...]:
@@ -113,6 +114,29 @@ class RoundOutput:
     q: list[float]  # row 0: q of each proposed token
     draft_s: float
     verify_s: float
+
+
+@dataclass
+class _Stream:
+    """What one stream carries from round to round; made by `stream` once the request is valid."""
+    rows: list[list[int]]  # [1][T]: the context so far, prompt first
+    sampling: SamplingConfig
+    gamma: int | str  # a fixed K, or "auto"
+    mode: str  # "speculative" | "plain"
+    arms: list[str]  # the drafters this stream may use
+    max_new_tokens: int
+    generator: torch.Generator  # every random draw of the stream (seeded)
+    bandit: Bandit | None  # None with a single arm
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)  # per arm
+    draft_step: dict[str, float] = field(default_factory=dict)  # per arm: seconds per drafted token (EMA)
+    t_start: float = 0.0  # set when the loop starts
+    prefill_s: float = 0.0
+    produced: int = 0  # tokens emitted so far
+    index: int = 0  # rounds so far
+
+    def __post_init__(self):
+        self.acceptance = {a: Acceptance() for a in self.arms}
+        self.draft_step = {a: 0.0 for a in self.arms}
 
 
 class Engine:
@@ -249,9 +273,10 @@ class Engine:
             raise ValueError(f"seed must be a 64-bit integer (from -2**63 to 2**64 - 1), got {shown(seed)}")
         ids = self.encode(prompt, chat)
         arms = self._check_request(len(ids), max_new_tokens, sampling, gamma, mode, drafters, bandit)
-        events = self._stream(ids, max_new_tokens, sampling, gamma, mode, int(seed), arms,
-                              bandit or self.bandit_strategy)
-        return self._one_stream_at_a_time(events)
+        state = _Stream(rows=[ids], sampling=sampling, gamma=gamma, mode=mode, arms=arms, max_new_tokens=max_new_tokens,
+                        generator=torch.Generator(device=self.target.device).manual_seed(int(seed)),
+                        bandit=Bandit(arms, bandit or self.bandit_strategy, self.window, int(seed)) if len(arms) > 1 else None)
+        return self._one_stream_at_a_time(self._stream(state))
 
     @functools.cached_property
     def _streaming(self) -> threading.Lock:
@@ -278,7 +303,8 @@ class Engine:
         events = list(self.stream(prompt, max_new_tokens, sampling, **kwargs))
         ids = [t for e in events for t in e.emitted]
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        stats = {**summarize(events, self._prefill_s), "paths": paths(self), "kernel_backend": resolve_backend(self.kernel_backend, self.target.device)}
+        stats = {**summarize(events), "paths": paths(self),
+                 "kernel_backend": resolve_backend(self.kernel_backend, self.target.device)}
         return GenerationResult(ids, text, stats, events)
 
     # ------------------------------------------------------------------------------------------------
@@ -316,9 +342,10 @@ class Engine:
     # The loop
 
     def _start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
-               max_context: int | None = None, max_gamma: int = MAX_AUTO_GAMMA, arms: list[str] | None = None) -> None:
-        """Prefill the target (all but the last token: each round feeds the pending token) and the drafters.
-        The target reports hidden states from here on only if one of `arms` (default: every drafter) reads them."""
+               max_context: int | None = None, max_gamma: int = MAX_AUTO_GAMMA, arms: list[str] | None = None) -> float:
+        """Prefill the target (all but the last token: each round feeds the pending token) and the drafters;
+        returns the seconds it took. The target reports hidden states from here on only if one of `arms`
+        (default: every drafter) reads them."""
         t0 = time.perf_counter()
         readers = [self.drafters[a] for a in (arms or self.drafters)]
         self.target.aux_layers = next((d.aux_layers for d in readers if d.aux_layers), ())
@@ -334,7 +361,7 @@ class Engine:
         for d in self.drafters.values():
             d.start(rows, sampling, generator, hidden=hidden if d.aux_layers else None)
         self._sync()
-        self._prefill_s = time.perf_counter() - t0
+        return time.perf_counter() - t0
 
     def _round(self, rows: list[list[int]], drafter: Drafter, k: int, sampling: SamplingConfig,
                generator: torch.Generator) -> RoundOutput:
@@ -387,47 +414,49 @@ class Engine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)
 
-    def _stream(self, ids, max_new_tokens, sampling, gamma, mode, seed, arms, strategy) -> Iterator[RoundEvent]:
-        generator = torch.Generator(device=self.target.device).manual_seed(seed)
-        rows = [list(ids)]
-        t_start = time.perf_counter()
-        max_gamma = MAX_AUTO_GAMMA if gamma == "auto" else gamma
-        self._start(rows, sampling, generator, len(ids) + max_new_tokens + max_gamma + 1, max_gamma, arms)
-        bandit = Bandit(arms, strategy, self.window, seed) if len(arms) > 1 else None
-        acceptance = {a: Acceptance() for a in arms}
-        draft_step = {a: 0.0 for a in arms}  # seconds per drafted token
-        produced, index, window = 0, 0, self.target.context_window
-        while produced < max_new_tokens:
-            arm = bandit.select() if bandit else arms[0]
-            drafter = self.drafters[arm]
-            limit = min(max_new_tokens - produced - 1, window - len(rows[0]) - 1)  # K + 1 tokens must fit
-            k = self._gamma(gamma, acceptance[arm], draft_step[arm], limit)
-            before = rows[0][:]
-            out = self._round(rows, drafter, k, sampling, generator)
-            K, n = len(out.draft), out.num_accepted[0]
-            emitted = rows[0][len(before):]
-            acceptance[arm].observe(n, K)
-            if K:
-                draft_step[arm] = 0.7 * draft_step[arm] + 0.3 * out.draft_s / K if draft_step[arm] else out.draft_s / K
-            if bandit:
-                ref = 1.0 / max(self.costs.plain_step(), 1e-9)
-                bandit.update(arm, speed_reward(len(emitted) / (out.draft_s + out.verify_s), ref))
-                self._score_counterfactuals(bandit, arms, arm, before, emitted, gamma, acceptance, draft_step, limit, ref)
-            finished, emitted = self._finish(emitted, produced, max_new_tokens)
-            produced += len(emitted)
+    def _stream(self, s: "_Stream") -> Iterator[RoundEvent]:
+        """The loop: choose an arm and K, run a round, learn from it, yield its event."""
+        max_gamma = MAX_AUTO_GAMMA if s.gamma == "auto" else s.gamma
+        s.t_start = time.perf_counter()  # generation is lazy: the clock starts with the first round's prefill
+        s.prefill_s = self._start(s.rows, s.sampling, s.generator, len(s.rows[0]) + s.max_new_tokens + max_gamma + 1,
+                                  max_gamma, s.arms)
+        window = self.target.context_window
+        while s.produced < s.max_new_tokens:
+            arm = s.bandit.select() if s.bandit else s.arms[0]
+            limit = min(s.max_new_tokens - s.produced - 1, window - len(s.rows[0]) - 1)  # K + 1 tokens must fit
+            before = s.rows[0][:]
+            out = self._round(s.rows, self.drafters[arm], self._gamma(s, arm, limit), s.sampling, s.generator)
+            emitted = s.rows[0][len(before):]
+            self._learn(s, arm, out, before, emitted, limit)
+            finished, emitted = self._finish(emitted, s.produced, s.max_new_tokens)
+            s.produced += len(emitted)
             if finished == "eos":
-                del rows[0][len(before) + len(emitted):]
-            yield self._event(index, mode, arm, out, before, emitted, bandit, t_start, produced, finished)
-            index += 1
+                del s.rows[0][len(before) + len(emitted):]
+            yield self._event(s, arm, out, before, emitted, finished)
+            s.index += 1
             if finished:
                 return
 
-    def _gamma(self, gamma, acceptance: Acceptance, draft_step: float, limit: int) -> int:
+    def _gamma(self, s: "_Stream", arm: str, limit: int) -> int:
+        gamma = s.gamma
         if gamma == "auto":
-            gamma = best_gamma(acceptance.rate, draft_step, self.costs, MAX_AUTO_GAMMA)
+            gamma = best_gamma(s.acceptance[arm].rate, s.draft_step[arm], self.costs, MAX_AUTO_GAMMA)
         return max(0, min(gamma, limit))
 
-    def _score_counterfactuals(self, bandit, arms, pulled, before, emitted, gamma, acceptance, draft_step, limit, ref):
+    def _learn(self, s: "_Stream", arm: str, out: RoundOutput, before: list[int], emitted: list[int], limit: int):
+        """After a round: the arm's acceptance and draft cost, the bandit's reward, the other arms' scores."""
+        K, n = len(out.draft), out.num_accepted[0]
+        s.acceptance[arm].observe(n, K)
+        if K:
+            step = out.draft_s / K
+            s.draft_step[arm] = 0.7 * s.draft_step[arm] + 0.3 * step if s.draft_step[arm] else step
+        if s.bandit:
+            ref = 1.0 / max(self.costs.plain_step(), 1e-9)
+            s.bandit.update(arm, speed_reward(len(emitted) / (out.draft_s + out.verify_s), ref))
+            self._score_counterfactuals(s, arm, before, emitted, limit, ref)
+
+    def _score_counterfactuals(self, s: "_Stream", pulled: str, before: list[int], emitted: list[int], limit: int,
+                               ref: float):
         """Score model-free arms that were not pulled against the tokens the target actually emitted.
 
         A drafter that would have proposed c emits (matching prefix of c and the emitted tokens) + 1 tokens, at
@@ -435,24 +464,23 @@ class Engine:
         When every emitted token matched and c is longer (a short round hides how far c would have gone), the
         rest is imputed from the drafter's acceptance rate instead of being counted as a rejection.
         """
-        for arm in arms:
+        for arm in s.arms:
             drafter = self.drafters[arm]
             if arm == pulled or not drafter.model_free:
                 continue
-            k = self._gamma(gamma, acceptance[arm], draft_step[arm], limit)
             t0 = time.perf_counter()
-            proposal = drafter.propose_ids(before, k)
+            proposal = drafter.propose_ids(before, self._gamma(s, arm, limit))
             propose_s = time.perf_counter() - t0
             m = 0
             while m < min(len(proposal), len(emitted)) and proposal[m] == emitted[m]:
                 m += 1
             if m == len(emitted) < len(proposal):  # censored: every emitted token matched, the rest is unknown
-                tokens = m + expected_tokens(acceptance[arm].rate, len(proposal) - m)  # impute from its acceptance
+                tokens = m + expected_tokens(s.acceptance[arm].rate, len(proposal) - m)  # impute from its acceptance
             else:
-                acceptance[arm].observe(m, len(proposal))
+                s.acceptance[arm].observe(m, len(proposal))
                 tokens = m + 1
             seconds = propose_s + self.costs.forward(len(proposal) + 1)
-            bandit.update(arm, speed_reward(tokens / max(seconds, 1e-9), ref), pulled=False)
+            s.bandit.update(arm, speed_reward(tokens / max(seconds, 1e-9), ref), pulled=False)
 
     def _finish(self, emitted: list[int], produced: int, max_new_tokens: int):
         for i, t in enumerate(emitted):
@@ -462,7 +490,7 @@ class Engine:
             return "length", emitted[:max_new_tokens - produced]
         return None, emitted
 
-    def _event(self, index, mode, arm, out: RoundOutput, before, emitted, bandit, t_start, produced, finished):
+    def _event(self, s: "_Stream", arm: str, out: RoundOutput, before: list[int], emitted: list[int], finished):
         K, n = len(out.draft), out.num_accepted[0]
         accepted = tuple(emitted[:n])
         last = emitted[n] if len(emitted) > n else None
@@ -475,15 +503,14 @@ class Engine:
             ps.append(out.p[K])
             qs.append(None)
         pieces = self._pieces(before, list(accepted), out.draft[n:], [last] if last is not None else [])
-        spans = tuple(TokenSpan(k_, i, s, p, q) for k_, i, s, p, q in zip(kinds, ids, pieces, ps, qs))
-        text = "".join(s.text for s in spans if s.kind != "rejected")
-        now = time.perf_counter()
-        return RoundEvent(index=index, mode=mode, drafter=arm, gamma=K, accepted=accepted,
+        spans = tuple(TokenSpan(*fields) for fields in zip(kinds, ids, pieces, ps, qs))
+        return RoundEvent(index=s.index, mode=s.mode, drafter=arm, gamma=K, accepted=accepted,
                           rejected=tuple(out.draft[n:]), resampled=last if last is not None and n < K else None,
-                          bonus=last if last is not None and n == K else None, spans=spans, text=text,
+                          bonus=last if last is not None and n == K else None, spans=spans,
+                          text="".join(span.text for span in spans if span.kind != "rejected"),
                           draft_s=out.draft_s, verify_s=out.verify_s, round_s=out.draft_s + out.verify_s,
-                          elapsed_s=now - t_start, new_tokens=produced, arms=bandit.state() if bandit else (),
-                          finished=finished)
+                          elapsed_s=time.perf_counter() - s.t_start, new_tokens=s.produced,
+                          arms=s.bandit.state() if s.bandit else (), finished=finished, prefill_s=s.prefill_s)
 
     def _pieces(self, before: list[int], accepted: list[int], rejected: list[int], final: list[int]) -> list[str]:
         """Decoded text of each display token, each decoded after the accepted prefix it follows."""
@@ -531,8 +558,8 @@ class _RoundTimer:
         return draft, max(0.0, total - draft)
 
 
-def summarize(events: list[RoundEvent], prefill_s: float = 0.0) -> dict:
-    """Stats of a finished stream: tok/s (prefill included), acceptance, tokens per target forward, ..."""
+def summarize(events: list[RoundEvent]) -> dict:
+    """Stats of a (finished or partial) stream: tok/s (prefill included), acceptance, tokens per target forward..."""
     tokens = sum(len(e.emitted) for e in events)
     proposed = sum(e.gamma for e in events)
     accepted = sum(len(e.accepted) for e in events)
@@ -552,7 +579,7 @@ def summarize(events: list[RoundEvent], prefill_s: float = 0.0) -> dict:
         "proposed": proposed,
         "accepted": accepted,
         "elapsed_s": elapsed,
-        "prefill_s": prefill_s,
+        "prefill_s": events[0].prefill_s if events else 0.0,
         "pulls": pulls,
         "finished": events[-1].finished if events else None,
     }
