@@ -52,3 +52,17 @@ def test_bandit_run_accepts_drafts_and_saves_forwards(embedded_engine):
     result = embedded_engine.generate(PROMPTS[0], max_new_tokens=64, gamma="auto")
     assert result.stats["target_forwards"] < len(result.token_ids), result.stats
     assert result.stats["acceptance"] > 0
+
+
+def test_ngram_cache_drafts_a_recurring_answer(embedded_engine):
+    """Asked the same question again in a session, the n-gram cache copies its first answer: still exactly plain
+    decoding's tokens, in far fewer target forwards; after reset_session it has nothing to copy from."""
+    engine, greedy = embedded_engine, SamplingConfig(temperature=0.0)
+    engine.reset_session()
+    plain = engine.generate(PROMPTS[2], max_new_tokens=48, sampling=greedy, mode="plain").token_ids  # observed too
+    again = engine.generate(PROMPTS[2], max_new_tokens=48, sampling=greedy, gamma="auto", drafters=["ngram_cache"])
+    engine.reset_session()
+    cold = engine.generate(PROMPTS[2], max_new_tokens=48, sampling=greedy, gamma="auto", drafters=["ngram_cache"])
+    engine.reset_session()
+    assert again.token_ids == plain and cold.token_ids == plain
+    assert again.stats["target_forwards"] <= len(plain) / 4 < cold.stats["target_forwards"], (again.stats, cold.stats)
