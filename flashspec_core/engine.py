@@ -16,7 +16,7 @@ import torch
 
 from flashspec_core.bandit import ArmState, Bandit, speed_reward
 from flashspec_core.drafters import MODEL_FREE, DraftModel, Drafter, NoDraft
-from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma, expected_tokens
+from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma
 from flashspec_core.fast_path import MODES as FAST_PATH_MODES
 from flashspec_core.fast_path import fast_or_eager
 from flashspec_core.models import CausalLM, load_model, pick_device, pick_dtype
@@ -333,7 +333,7 @@ class Engine:
             arm = bandit.select() if bandit else arms[0]
             drafter = self.drafters[arm]
             limit = min(max_new_tokens - produced - 1, window - len(rows[0]) - 1)  # K + 1 tokens must fit
-            k = self._gamma(gamma, acceptance[arm], draft_step[arm], limit)
+            k = self._gamma(gamma, acceptance[arm], draft_step[arm], limit, drafter)
             before = rows[0][:]
             out = self._round(rows, drafter, k, sampling, generator)
             K, n = len(out.draft), out.num_accepted[0]
@@ -354,37 +354,53 @@ class Engine:
             if finished:
                 return
 
-    def _gamma(self, gamma, acceptance: Acceptance, draft_step: float, limit: int) -> int:
+    def _gamma(self, gamma, acceptance: Acceptance, draft_step: float, limit: int, drafter: Drafter | None = None) -> int:
+        """K for this round: a fixed gamma, or for "auto" the K that maximises expected tokens per second from the
+        arm's acceptance, except for a drafter that sets its own draft length: it gets the largest K and this
+        machine's measured forward costs, and cuts its draft itself."""
         if gamma == "auto":
-            gamma = best_gamma(acceptance.rate, draft_step, self.costs, MAX_AUTO_GAMMA)
+            if drafter is not None and drafter.sets_length:
+                drafter.costs = self.costs
+                gamma = MAX_AUTO_GAMMA
+            else:
+                gamma = best_gamma(acceptance.rate, draft_step, self.costs, MAX_AUTO_GAMMA)
         return max(0, min(gamma, limit))
 
     def _score_counterfactuals(self, bandit, arms, pulled, before, emitted, gamma, acceptance, draft_step, limit, ref):
         """Score model-free arms that were not pulled against the tokens the target actually emitted.
 
-        A drafter that would have proposed c emits (matching prefix of c and the emitted tokens) + 1 tokens, at
-        the measured cost of verifying len(c) + 1 tokens plus its own propose time. Free: no target forward.
-        When every emitted token matched and c is longer (a short round hides how far c would have gone), the
-        rest is imputed from the drafter's acceptance rate instead of being counted as a rejection.
+        What each would have proposed at the pre-round context is kept until later rounds show how far the target
+        would have accepted it (its first mismatch, or all of it); it then scores as (matching prefix + 1) tokens
+        at the measured cost of verifying len(proposal) + 1 tokens plus its own propose time. Free: no target
+        forward, and no guess for the part of a long proposal that a short round does not reveal (a proposal the
+        stream ends before resolving is dropped). The open proposals belong to this stream: a new bandit (a new
+        stream) starts an empty list.
         """
+        if getattr(self, "_open_for", None) is not bandit:
+            self._open_for, self._open = bandit, []
+        for item in self._open:
+            item[3].extend(emitted)  # the tokens emitted since each open proposal was made
         for arm in arms:
             drafter = self.drafters[arm]
             if arm == pulled or not drafter.model_free:
                 continue
-            k = self._gamma(gamma, acceptance[arm], draft_step[arm], limit)
+            k = self._gamma(gamma, acceptance[arm], draft_step[arm], limit, drafter)
             t0 = time.perf_counter()
             proposal = drafter.propose_ids(before, k)
-            propose_s = time.perf_counter() - t0
-            m = 0
-            while m < min(len(proposal), len(emitted)) and proposal[m] == emitted[m]:
+            self._open.append((arm, proposal, time.perf_counter() - t0, list(emitted)))
+        still_open = []
+        for item in self._open:
+            arm, proposal, propose_s, seen = item
+            m, known = 0, min(len(proposal), len(seen))
+            while m < known and proposal[m] == seen[m]:
                 m += 1
-            if m == len(emitted) < len(proposal):  # censored: every emitted token matched, the rest is unknown
-                tokens = m + expected_tokens(acceptance[arm].rate, len(proposal) - m)  # impute from its acceptance
-            else:
-                acceptance[arm].observe(m, len(proposal))
-                tokens = m + 1
+            if m == known < len(proposal):  # everything seen so far matched; the rest is not known yet
+                still_open.append(item)
+                continue
+            acceptance[arm].observe(m, len(proposal))
             seconds = propose_s + self.costs.forward(len(proposal) + 1)
-            bandit.update(arm, speed_reward(tokens / max(seconds, 1e-9), ref), pulled=False)
+            bandit.update(arm, speed_reward((m + 1) / max(seconds, 1e-9), ref), pulled=False)
+        self._open = still_open
 
     def _finish(self, emitted: list[int], produced: int, max_new_tokens: int):
         for i, t in enumerate(emitted):
