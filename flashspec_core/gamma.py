@@ -47,7 +47,14 @@ class CostModel:
             return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
         base = self.seconds[known[0]] if lo is None else self.seconds[lo]
         anchor = known[0] if lo is None else lo
-        return base * (1 + 0.06 * (tokens - anchor))  # prior: each extra token ~6% of a step (CPU, fp32)
+        slope = 0.06 * base  # prior: each extra token ~6% of a step (CPU, fp32)
+        if lo is not None and len(known) >= 2:  # past the largest measured count: the last two points' slope (this
+            prev = known[-2]  # CPU measured ~3% a token past 5 tokens, a GPU ~1%), or where that falls (forwards
+            measured = (self.seconds[lo] - self.seconds[prev]) / (lo - prev)  # over 2-4 tokens cost more than 5
+            if measured < 0:  # here) the slope from the smallest count; never above the prior
+                measured = (self.seconds[lo] - self.seconds[known[0]]) / (lo - known[0])
+            slope = min(slope, max(0.0, measured))
+        return base + slope * (tokens - anchor)
 
     def plain_step(self) -> float:
         return self.forward(1)

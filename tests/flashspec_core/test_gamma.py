@@ -50,3 +50,18 @@ def test_best_length_weighs_each_token_against_its_cost():
     assert c.curve(4)[:4] == [c.forward(t) for t in (1, 2, 3, 4)]
     c.observe(3, 9.0)
     assert c.curve(4)[2] == 9.0  # a new observation refreshes the cached curve
+
+
+def test_cost_model_extrapolates_with_the_measured_slope_never_above_the_prior():
+    c = CostModel()
+    for t, s in ((1, 1.0), (5, 1.3), (9, 1.5)):
+        c.observe(t, s)
+    assert c.forward(17) == pytest.approx(1.5 + 8 * 0.05)  # the last two points: 5% of a step a token
+    steep = CostModel()
+    for t, s in ((1, 1.0), (5, 2.0), (9, 3.0)):
+        steep.observe(t, s)
+    assert steep.forward(17) == pytest.approx(3.0 * (1 + 0.06 * 8))  # 25% a token measured: the 6% prior caps it
+    bump = CostModel()
+    for t, s in ((1, 1.0), (2, 1.6), (5, 1.3)):  # 2 tokens dearer than 5, as on this CPU
+        bump.observe(t, s)
+    assert bump.forward(9) == pytest.approx(1.3 + 4 * 0.075)  # falling last slope: the slope from 1 token
