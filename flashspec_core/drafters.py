@@ -74,7 +74,7 @@ class SuffixIndex:
     followed there. A depth-limited suffix trie, as in SuffixDecoding (Oliaro et al. 2024), keyed by token.
     """
 
-    def __init__(self, depth: int = 32):
+    def __init__(self, depth: int = 16):
         self.depth = depth
         self.stream: list[int] = []
         self.kids: list[dict[int, int]] = [{}]  # node 0 is the root (the empty string); kids[node][token] = child
