@@ -356,14 +356,13 @@ class Engine:
 
     def _gamma(self, gamma, acceptance: Acceptance, draft_step: float, limit: int, drafter: Drafter | None = None) -> int:
         """K for this round: a fixed gamma, or for "auto" the K that maximises expected tokens per second from the
-        arm's acceptance, except for a drafter that sets its own draft length: it gets the largest K and this
-        machine's measured forward costs, and cuts its draft itself."""
+        arm's acceptance, except for a drafter that sets its own draft length (up to K, from this machine's
+        measured forward costs, which it is handed here): under "auto" it gets the largest K."""
+        sets_length = drafter is not None and drafter.sets_length
+        if sets_length:
+            drafter.costs = self.costs
         if gamma == "auto":
-            if drafter is not None and drafter.sets_length:
-                drafter.costs = self.costs
-                gamma = MAX_AUTO_GAMMA
-            else:
-                gamma = best_gamma(acceptance.rate, draft_step, self.costs, MAX_AUTO_GAMMA)
+            gamma = MAX_AUTO_GAMMA if sets_length else best_gamma(acceptance.rate, draft_step, self.costs, MAX_AUTO_GAMMA)
         return max(0, min(gamma, limit))
 
     def _score_counterfactuals(self, bandit, arms, pulled, before, emitted, gamma, acceptance, draft_step, limit, ref):
