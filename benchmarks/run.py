@@ -23,7 +23,7 @@ from flashspec_core import Engine, SamplingConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-GROUNDED = {"code edit", "summary", "document QA", "long repetitive answer"}
+GROUNDED = {"code edit", "rename", "summary", "document QA", "long repetitive answer"}
 
 
 def environment() -> dict:

@@ -20,7 +20,7 @@ import torch
 from flashspec_core.bandit import ArmState, Bandit, speed_reward
 from flashspec_core.draft_head import DraftHead, HeadMismatchError, load_head
 from flashspec_core.drafters import MODEL_FREE, DraftHeadDrafter, DraftModel, Drafter, NoDraft
-from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma, expected_tokens
+from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma
 from flashspec_core.fast_path import MODES as FAST_PATH_MODES
 from flashspec_core.fast_path import fast_or_eager
 from flashspec_core.bandit import STRATEGIES
@@ -117,6 +117,15 @@ class RoundOutput:
 
 
 @dataclass
+class _Counterfactual:
+    """What a model-free arm that was not pulled would have proposed, waiting for the tokens that decide it."""
+    arm: str
+    proposal: list[int]
+    propose_s: float  # its propose time
+    seen: list[int]  # the tokens emitted since it was made
+
+
+@dataclass
 class _Stream:
     """What one stream carries from round to round; made by `stream` once the request is valid."""
     rows: list[list[int]]  # [1][T]: the context so far, prompt first
@@ -133,6 +142,7 @@ class _Stream:
     prefill_s: float = 0.0
     produced: int = 0  # tokens emitted so far
     index: int = 0  # rounds so far
+    open: list["_Counterfactual"] = field(default_factory=list)  # counterfactual proposals not yet decided
 
     def __post_init__(self):
         self.acceptance = {a: Acceptance() for a in self.arms}
@@ -159,6 +169,9 @@ class Engine:
             self.drafters[d.name] = d
         self.eos_ids = set(eos_ids or ())
         self.costs = CostModel()  # the machine's forward costs, kept across streams
+        for d in self.drafters.values():
+            if d.sets_length:
+                d.costs = self.costs  # such a drafter sizes its drafts from this machine's measured costs
 
     # ------------------------------------------------------------------------------------------------
     # Construction
@@ -438,9 +451,14 @@ class Engine:
                 return
 
     def _gamma(self, s: "_Stream", arm: str, limit: int) -> int:
+        """K for this round: a fixed gamma, or for "auto" the K that maximises expected tokens per second from the
+        arm's acceptance; a drafter that sets its own draft length (<= K, from the measured costs) gets the
+        largest K under "auto"."""
         gamma = s.gamma
         if gamma == "auto":
-            gamma = best_gamma(s.acceptance[arm].rate, s.draft_step[arm], self.costs, MAX_AUTO_GAMMA)
+            drafter = self.drafters[arm]
+            gamma = MAX_AUTO_GAMMA if drafter.sets_length else best_gamma(s.acceptance[arm].rate, s.draft_step[arm],
+                                                                         self.costs, MAX_AUTO_GAMMA)
         return max(0, min(gamma, limit))
 
     def _learn(self, s: "_Stream", arm: str, out: RoundOutput, before: list[int], emitted: list[int], limit: int):
@@ -459,28 +477,33 @@ class Engine:
                                ref: float):
         """Score model-free arms that were not pulled against the tokens the target actually emitted.
 
-        A drafter that would have proposed c emits (matching prefix of c and the emitted tokens) + 1 tokens, at
-        the measured cost of verifying len(c) + 1 tokens plus its own propose time. Free: no target forward.
-        When every emitted token matched and c is longer (a short round hides how far c would have gone), the
-        rest is imputed from the drafter's acceptance rate instead of being counted as a rejection.
+        What each would have proposed at the pre-round context is kept until later rounds show how far the target
+        would have accepted it (its first mismatch, or all of it); it then scores as (matching prefix + 1) tokens
+        at the measured cost of verifying len(proposal) + 1 tokens plus its own propose time. Free: no target
+        forward, and no guess for the part of a long proposal that a short round does not reveal (a proposal the
+        stream ends before resolving is dropped). The open proposals live in the stream's state.
         """
+        for c in s.open:
+            c.seen.extend(emitted)  # the tokens emitted since each open proposal was made
         for arm in s.arms:
             drafter = self.drafters[arm]
             if arm == pulled or not drafter.model_free:
                 continue
             t0 = time.perf_counter()
             proposal = drafter.propose_ids(before, self._gamma(s, arm, limit))
-            propose_s = time.perf_counter() - t0
-            m = 0
-            while m < min(len(proposal), len(emitted)) and proposal[m] == emitted[m]:
+            s.open.append(_Counterfactual(arm, proposal, time.perf_counter() - t0, list(emitted)))
+        still_open = []
+        for c in s.open:
+            m, known = 0, min(len(c.proposal), len(c.seen))
+            while m < known and c.proposal[m] == c.seen[m]:
                 m += 1
-            if m == len(emitted) < len(proposal):  # censored: every emitted token matched, the rest is unknown
-                tokens = m + expected_tokens(s.acceptance[arm].rate, len(proposal) - m)  # impute from its acceptance
-            else:
-                s.acceptance[arm].observe(m, len(proposal))
-                tokens = m + 1
-            seconds = propose_s + self.costs.forward(len(proposal) + 1)
-            s.bandit.update(arm, speed_reward(tokens / max(seconds, 1e-9), ref), pulled=False)
+            if m == known < len(c.proposal):  # everything seen so far matched; the rest is not known yet
+                still_open.append(c)
+                continue
+            s.acceptance[c.arm].observe(m, len(c.proposal))
+            seconds = c.propose_s + self.costs.forward(len(c.proposal) + 1)
+            s.bandit.update(c.arm, speed_reward((m + 1) / max(seconds, 1e-9), ref), pulled=False)
+        s.open = still_open
 
     def _finish(self, emitted: list[int], produced: int, max_new_tokens: int):
         for i, t in enumerate(emitted):

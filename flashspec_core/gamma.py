@@ -17,12 +17,21 @@ class CostModel:
         self.decay = decay
         self.seconds: dict[int, float] = {}
         self.known: list[int] = []  # sorted keys of `seconds`
+        self._curve: list[float] = []  # forward(1..n), cached until the next observe
 
     def observe(self, tokens: int, seconds: float) -> None:
         old = self.seconds.get(tokens)
         if old is None:
             self.known = sorted([*self.known, tokens])
         self.seconds[tokens] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self._curve = []
+
+    def curve(self, n: int) -> list[float]:
+        """[forward(1), ..., forward(m)] for some m >= n, computed once per observation (choosing K asks for all of
+        them each round)."""
+        if len(self._curve) < n:
+            self._curve = [self.forward(t) for t in range(1, n + 1)]
+        return self._curve
 
     def forward(self, tokens: int) -> float:
         """Estimated seconds for a forward over `tokens` tokens (interpolated; 0 when nothing is measured)."""
@@ -38,7 +47,14 @@ class CostModel:
             return (1 - w) * self.seconds[lo] + w * self.seconds[hi]
         base = self.seconds[known[0]] if lo is None else self.seconds[lo]
         anchor = known[0] if lo is None else lo
-        return base * (1 + 0.06 * (tokens - anchor))  # prior: each extra token ~6% of a step (CPU, fp32)
+        slope = 0.06 * base  # prior: each extra token ~6% of a step (CPU, fp32)
+        if lo is not None and len(known) >= 2:  # past the largest measured count: the last two points' slope (this
+            prev = known[-2]  # CPU measured ~3% a token past 5 tokens, a GPU ~1%), or where that falls (forwards
+            measured = (self.seconds[lo] - self.seconds[prev]) / (lo - prev)  # over 2-4 tokens cost more than 5
+            if measured < 0:  # here) the slope from the smallest count; never above the prior
+                measured = (self.seconds[lo] - self.seconds[known[0]]) / (lo - known[0])
+            slope = min(slope, max(0.0, measured))
+        return base + slope * (tokens - anchor)
 
     def plain_step(self) -> float:
         return self.forward(1)
@@ -75,3 +91,18 @@ def best_gamma(a: float, draft_step_s: float, costs: CostModel, max_gamma: int) 
 
     rates = [expected_tokens(a, k) / (k * draft_step_s + costs.forward(k + 1)) for k in range(1, max_gamma + 1)]
     return 1 + rates.index(max(rates))
+
+
+def best_length(survival: list[float], costs: CostModel, draft_step_s: float = 0.0) -> int:
+    """The K in 0..len(survival) that maximises expected tokens per second, where survival[j - 1] is the chance that
+    the first j drafted tokens are all accepted (K = 0: a plain step). best_gamma is the case survival[j - 1] = a^j."""
+    if costs.plain_step() <= 0:
+        return min(4, len(survival))
+    forward = costs.curve(len(survival) + 1)
+    best, best_rate, tokens = 0, 1.0 / forward[0], 1.0
+    for k, p in enumerate(survival, start=1):
+        tokens += p
+        rate = tokens / (k * draft_step_s + forward[k])
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best

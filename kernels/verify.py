@@ -123,26 +123,101 @@ verify_triton = None  # defined below when triton is importable
 
 if triton is not None:
 
+    # -- helpers shared by both kernels (Triton inlines them) ------------------------------------------
+
     @triton.jit
-    def _argmax_over_v(row_ptrs, stride_v, noise_rows, stride_nv, row_mask, V: tl.constexpr,
+    def _keep_max(score, v, best, best_idx):
+        """Lane-wise running max: where score beats best (strictly, so an earlier block wins a tie), take it and v."""
+        better = score > best
+        return tl.where(better, score, best), tl.where(better, v[None, :], best_idx)
+
+    @triton.jit
+    def _lowest_argmax(best, best_idx):
+        """Per row: the max over the lanes, and the lowest index that holds it (torch.argmax's rule on ties)."""
+        top = tl.max(best, axis=1)
+        return top, tl.min(tl.where(best == top[:, None], best_idx, 2147483647), axis=1)
+
+    @triton.jit
+    def _argmax_over_v(row_ptrs, stride_v, noise_rows, stride_nv, row_mask, v_start, V: tl.constexpr, V_LEN: tl.constexpr,
                        BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, DIVIDE: tl.constexpr):
-        """Per row: argmax over v < V of row[v] (or row[v] / noise[v] when DIVIDE), first index on ties."""
+        """Per row: (max, lowest index holding it) of row[v] (or row[v] / noise[v] when DIVIDE) over
+        v_start <= v < min(v_start + V_LEN, V)."""
         offs_v = tl.arange(0, BLOCK_V)
         best = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)  # per lane: best score so far
         best_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)  # and the index that holds it
-        for v0 in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
-            v = v0 + offs_v
+        for v0 in tl.range(0, V_LEN, BLOCK_V, num_stages=NUM_STAGES):
+            v = v_start + v0 + offs_v
             m = row_mask[:, None] & (v < V)[None, :]
             score = tl.load(row_ptrs[:, None] + v[None, :] * stride_v, mask=m, other=0.0)
             if DIVIDE:
                 e = tl.load(noise_rows[:, None] + v[None, :] * stride_nv, mask=m, other=1.0)
                 score = tl.math.div_rn(score, e)  # rounds like torch's fp32 division
-            score = tl.where(m, score, float("-inf"))
-            better = score > best  # strict: within a lane the earlier block wins ties
-            best = tl.where(better, score, best)
-            best_idx = tl.where(better, v[None, :], best_idx)
-        top = tl.max(best, axis=1)
-        return tl.min(tl.where(best == top[:, None], best_idx, 2147483647), axis=1)  # lowest index among ties
+            best, best_idx = _keep_max(tl.where(m, score, float("-inf")), v, best, best_idx)
+        return _lowest_argmax(best, best_idx)
+
+    @triton.jit
+    def _accept_test(x, p_rows, stride_pk, stride_pv, q_rows, stride_qk, stride_qv, u_rows, stride_uk, offs_k, in_bk,
+                     K, V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, HAS_Q: tl.constexpr):
+        """Per row: the first rejected position of u * q(x) < p(x) over the K drafts x [BLOCK_B, BLOCK_K]; K after a
+        full accept. q is one-hot at x (q(x) = 1) for a deterministic drafter."""
+        in_vocab = in_bk & (x >= 0) & (x < V)  # memory safety only: drafts must lie in [0, V)
+        p_x = tl.load(p_rows[:, None] + offs_k[None, :] * stride_pk + x * stride_pv, mask=in_vocab, other=0.0)
+        if HAS_Q:
+            q_x = tl.load(q_rows[:, None] + offs_k[None, :] * stride_qk + x * stride_qv, mask=in_vocab, other=0.0)
+        else:
+            q_x = tl.full((BLOCK_B, BLOCK_K), 1.0, tl.float32)
+        u = tl.load(u_rows[:, None] + offs_k[None, :] * stride_uk, mask=in_bk, other=0.0)
+        rejected = in_bk & ~(u * q_x < p_x)
+        return tl.min(tl.where(rejected, offs_k[None, :], K), axis=1)
+
+    @triton.jit
+    def _residual_race(p_n, stride_pv, q_n, stride_qv, x_n, has_draft, noise_rows, stride_nv, in_b, v_start,
+                       V: tl.constexpr, V_LEN: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+                       NUM_STAGES: tl.constexpr, HAS_Q: tl.constexpr, FALLBACK: tl.constexpr):
+        """Over v_start <= v < min(v_start + V_LEN, V), per row: the race of the residual w = max(0, p_n - q_n) against
+        the noise (max of w / noise and its lowest index), the max of w (<= 0: the residual is empty) and, when
+        FALLBACK, the race of p_n itself (max of p_n / noise and its lowest index; else -inf and a sentinel).
+        q_n is the draft's row at n, or one-hot at x_n without HAS_Q; zero where the row has no draft (n == K)."""
+        offs_v = tl.arange(0, BLOCK_V)
+        best = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
+        best_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)
+        fb = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)  # p_n / noise, for the fall-back
+        fb_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)
+        mass = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)  # per-lane max of the residual
+        for v0 in tl.range(0, V_LEN, BLOCK_V, num_stages=NUM_STAGES):
+            v = v_start + v0 + offs_v
+            m = in_b[:, None] & (v < V)[None, :]
+            p = tl.load(p_n[:, None] + v[None, :] * stride_pv, mask=m, other=0.0)
+            if HAS_Q:
+                q = tl.load(q_n[:, None] + v[None, :] * stride_qv, mask=m & has_draft[:, None], other=0.0)
+            else:
+                q = tl.where(v[None, :] == x_n[:, None], 1.0, 0.0)
+            e = tl.load(noise_rows[:, None] + v[None, :] * stride_nv, mask=m, other=1.0)
+            w = tl.maximum(p - q, 0.0)
+            mass = tl.maximum(mass, w)
+            best, best_idx = _keep_max(tl.where(m, tl.math.div_rn(w, e), float("-inf")), v, best, best_idx)
+            if FALLBACK:
+                fb, fb_idx = _keep_max(tl.where(m, tl.math.div_rn(p, e), float("-inf")), v, fb, fb_idx)
+        top, top_idx = _lowest_argmax(best, best_idx)
+        fb_top, fb_top_idx = _lowest_argmax(fb, fb_idx)
+        return top, top_idx, tl.max(mass, axis=1), fb_top, fb_top_idx
+
+    @triton.jit
+    def _greedy_step(best_k, x_k, k, K, n, final, active):
+        """One position k of the greedy walk: active rows emit argmax p_k and go on while it equals their draft."""
+        final = tl.where(active, best_k, final)
+        match = active & (k < K) & (best_k == x_k)
+        return tl.where(match, n + 1, n), final, match
+
+    @triton.jit
+    def _store_outputs(num_accepted_ptr, tokens_ptr, stride_tb, stride_tk, rows, in_b, offs_k, x, n, final, K):
+        """num_accepted = n; tokens = the n accepted drafts, the final (resampled or bonus) token, then -1."""
+        tl.store(num_accepted_ptr + rows, n.to(tl.int64), mask=in_b)
+        pos = offs_k[None, :]
+        tokens = tl.where(pos < n[:, None], x, tl.where(pos == n[:, None], final[:, None].to(tl.int64), -1))
+        tl.store(tokens_ptr + rows[:, None] * stride_tb + pos * stride_tk, tokens, mask=in_b[:, None] & (pos < K + 1))
+
+    # -- the kernels -----------------------------------------------------------------------------------
 
     @triton.jit
     def _verify_kernel(
@@ -181,63 +256,28 @@ if triton is not None:
             active = in_b
             searching = tl.max(active.to(tl.int32), axis=0) > 0
             while searching:
-                best = _argmax_over_v(p_rows + n * stride_pk, stride_pv, noise_rows, stride_nv, active,
-                                      V, BLOCK_B, BLOCK_V, NUM_STAGES, False)
+                p_max, best = _argmax_over_v(p_rows + n * stride_pk, stride_pv, noise_rows, stride_nv, active, 0,
+                                             V, V, BLOCK_B, BLOCK_V, NUM_STAGES, False)
                 x_n = tl.load(draft_tokens_ptr + rows * stride_db + n * stride_dk, mask=active & (n < K), other=-1)
-                match = active & (n < K) & (best == x_n)
-                final = tl.where(active, best, final)
-                n = tl.where(match, n + 1, n)
-                active = match
+                n, final, active = _greedy_step(best, x_n, n, K, n, final, active)
                 searching = tl.max(active.to(tl.int32), axis=0) > 0
         else:
-            # accept test, vectorised over the K positions: u * q(x) < p(x)
-            in_vocab = in_bk & (x >= 0) & (x < V)  # memory safety only: drafts must lie in [0, V)
-            p_x = tl.load(p_rows[:, None] + offs_k[None, :] * stride_pk + x * stride_pv, mask=in_vocab, other=0.0)
-            if HAS_Q:
-                q_x = tl.load(draft_probs_ptr + rows[:, None] * stride_qb + offs_k[None, :] * stride_qk
-                              + x * stride_qv, mask=in_vocab, other=0.0)
-            else:
-                q_x = tl.full((BLOCK_B, BLOCK_K), 1.0, tl.float32)  # deterministic drafter: q one-hot at x
-            u = tl.load(uniform_ptr + rows[:, None] * stride_ub + offs_k[None, :] * stride_uk, mask=in_bk, other=0.0)
-            rejected = in_bk & ~(u * q_x < p_x)
-            n = tl.min(tl.where(rejected, offs_k[None, :], K), axis=1)  # first rejection; K after a full accept
-
+            n = _accept_test(x, p_rows, stride_pk, stride_pv, draft_probs_ptr + rows * stride_qb, stride_qk, stride_qv,
+                             uniform_ptr + rows * stride_ub, stride_uk, offs_k, in_bk, K, V, BLOCK_B, BLOCK_K, HAS_Q)
             # residual max(0, p_n - q_n) raced against the noise; q_n = 0 at the bonus position n == K
             has_draft = in_b & (n < K)
             x_n = tl.load(draft_tokens_ptr + rows * stride_db + n * stride_dk, mask=has_draft, other=-1)
             p_n = p_rows + n * stride_pk
-            q_n = draft_probs_ptr + rows * stride_qb + n * stride_qk
-            offs_v = tl.arange(0, BLOCK_V)
-            best = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
-            best_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)
-            mass = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)  # per-lane max of the residual
-            for v0 in tl.range(0, V, BLOCK_V, num_stages=NUM_STAGES):
-                v = v0 + offs_v
-                m = in_b[:, None] & (v < V)[None, :]
-                p = tl.load(p_n[:, None] + v[None, :] * stride_pv, mask=m, other=0.0)
-                if HAS_Q:
-                    q = tl.load(q_n[:, None] + v[None, :] * stride_qv, mask=m & has_draft[:, None], other=0.0)
-                else:
-                    q = tl.where(v[None, :] == x_n[:, None], 1.0, 0.0)
-                e = tl.load(noise_rows[:, None] + v[None, :] * stride_nv, mask=m, other=1.0)
-                w = tl.maximum(p - q, 0.0)
-                mass = tl.maximum(mass, w)
-                score = tl.where(m, tl.math.div_rn(w, e), float("-inf"))
-                better = score > best
-                best = tl.where(better, score, best)
-                best_idx = tl.where(better, v[None, :], best_idx)
-            top = tl.max(best, axis=1)
-            final = tl.min(tl.where(best == top[:, None], best_idx, 2147483647), axis=1)
-            empty = in_b & (tl.max(mass, axis=1) <= 0.0)  # p == q: the residual is empty; fall back to p_n
+            w_max, final, mass, fb_max, fb_idx = _residual_race(  # no fall-back race here: only when it is needed
+                p_n, stride_pv, draft_probs_ptr + rows * stride_qb + n * stride_qk, stride_qv, x_n, has_draft,
+                noise_rows, stride_nv, in_b, 0, V, V, BLOCK_B, BLOCK_V, NUM_STAGES, HAS_Q, False)
+            empty = in_b & (mass <= 0.0)  # p == q: the residual is empty; fall back to p_n
             if tl.max(empty.to(tl.int32), axis=0) > 0:
-                fallback = _argmax_over_v(p_n, stride_pv, noise_rows, stride_nv, empty, V, BLOCK_B, BLOCK_V,
-                                          NUM_STAGES, True)
+                fb_max, fallback = _argmax_over_v(p_n, stride_pv, noise_rows, stride_nv, empty, 0, V, V, BLOCK_B,
+                                                  BLOCK_V, NUM_STAGES, True)
                 final = tl.where(empty, fallback, final)
 
-        tl.store(num_accepted_ptr + rows, n.to(tl.int64), mask=in_b)
-        pos = offs_k[None, :]
-        tokens = tl.where(pos < n[:, None], x, tl.where(pos == n[:, None], final[:, None].to(tl.int64), -1))
-        tl.store(tokens_ptr + rows[:, None] * stride_tb + pos * stride_tk, tokens, mask=in_b[:, None] & (pos < K + 1))
+        _store_outputs(num_accepted_ptr, tokens_ptr, stride_tb, stride_tk, rows, in_b, offs_k, x, n, final, K)
 
     @triton.jit
     def _verify_split_kernel(
@@ -273,75 +313,30 @@ if triton is not None:
         x = tl.load(draft_tokens_ptr + rows[:, None] * stride_db + offs_k[None, :] * stride_dk, mask=in_bk, other=0)
         p_rows = target_probs_ptr + rows * stride_pb
         noise_rows = noise_ptr + rows * stride_nb
-        offs_v = tl.arange(0, BLOCK_V)
         v_start = chunk * CHUNK
         part = (rows * n_chunks + chunk) * SLOTS  # [BLOCK_B]: this program's partials
 
         if GREEDY:
             k = 0
             while k <= K:  # a while loop: a runtime range() bound breaks the interpreter on numpy >= 2.4
-                p_k = p_rows + k * stride_pk
-                best = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
-                best_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)
-                for v0 in tl.range(0, CHUNK, BLOCK_V, num_stages=NUM_STAGES):
-                    v = v_start + v0 + offs_v
-                    m = in_b[:, None] & (v < V)[None, :]
-                    score = tl.load(p_k[:, None] + v[None, :] * stride_pv, mask=m, other=0.0)
-                    score = tl.where(m, score, float("-inf"))
-                    better = score > best
-                    best = tl.where(better, score, best)
-                    best_idx = tl.where(better, v[None, :], best_idx)
-                top = tl.max(best, axis=1)
+                top, idx = _argmax_over_v(p_rows + k * stride_pk, stride_pv, noise_rows, stride_nv, in_b, v_start,
+                                          V, CHUNK, BLOCK_B, BLOCK_V, NUM_STAGES, False)
                 tl.store(part_val_ptr + part + k, top, mask=in_b)
-                tl.store(part_idx_ptr + part + k, tl.min(tl.where(best == top[:, None], best_idx, 2147483647), axis=1),
-                         mask=in_b)
+                tl.store(part_idx_ptr + part + k, idx, mask=in_b)
                 k += 1
         else:
-            in_vocab = in_bk & (x >= 0) & (x < V)  # memory safety only: drafts must lie in [0, V)
-            p_x = tl.load(p_rows[:, None] + offs_k[None, :] * stride_pk + x * stride_pv, mask=in_vocab, other=0.0)
-            if HAS_Q:
-                q_x = tl.load(draft_probs_ptr + rows[:, None] * stride_qb + offs_k[None, :] * stride_qk
-                              + x * stride_qv, mask=in_vocab, other=0.0)
-            else:
-                q_x = tl.full((BLOCK_B, BLOCK_K), 1.0, tl.float32)
-            u = tl.load(uniform_ptr + rows[:, None] * stride_ub + offs_k[None, :] * stride_uk, mask=in_bk, other=0.0)
-            rejected = in_bk & ~(u * q_x < p_x)
-            n = tl.min(tl.where(rejected, offs_k[None, :], K), axis=1)  # first rejection; K after a full accept
+            n = _accept_test(x, p_rows, stride_pk, stride_pv, draft_probs_ptr + rows * stride_qb, stride_qk, stride_qv,
+                             uniform_ptr + rows * stride_ub, stride_uk, offs_k, in_bk, K, V, BLOCK_B, BLOCK_K, HAS_Q)
             has_draft = in_b & (n < K)
             x_n = tl.load(draft_tokens_ptr + rows * stride_db + n * stride_dk, mask=has_draft, other=-1)
-            p_n = p_rows + n * stride_pk
-            q_n = draft_probs_ptr + rows * stride_qb + n * stride_qk
-            best = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)
-            best_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)
-            fb = tl.full((BLOCK_B, BLOCK_V), float("-inf"), tl.float32)  # p_n / noise, for the fall-back
-            fb_idx = tl.full((BLOCK_B, BLOCK_V), 2147483647, tl.int32)
-            mass = tl.zeros((BLOCK_B, BLOCK_V), tl.float32)
-            for v0 in tl.range(0, CHUNK, BLOCK_V, num_stages=NUM_STAGES):
-                v = v_start + v0 + offs_v
-                m = in_b[:, None] & (v < V)[None, :]
-                p = tl.load(p_n[:, None] + v[None, :] * stride_pv, mask=m, other=0.0)
-                if HAS_Q:
-                    q = tl.load(q_n[:, None] + v[None, :] * stride_qv, mask=m & has_draft[:, None], other=0.0)
-                else:
-                    q = tl.where(v[None, :] == x_n[:, None], 1.0, 0.0)
-                e = tl.load(noise_rows[:, None] + v[None, :] * stride_nv, mask=m, other=1.0)
-                w = tl.maximum(p - q, 0.0)
-                mass = tl.maximum(mass, w)
-                score = tl.where(m, tl.math.div_rn(w, e), float("-inf"))
-                better = score > best
-                best = tl.where(better, score, best)
-                best_idx = tl.where(better, v[None, :], best_idx)
-                score = tl.where(m, tl.math.div_rn(p, e), float("-inf"))
-                better = score > fb
-                fb = tl.where(better, score, fb)
-                fb_idx = tl.where(better, v[None, :], fb_idx)
-            top = tl.max(best, axis=1)
+            top, idx, mass, fb_top, fb_idx = _residual_race(
+                p_rows + n * stride_pk, stride_pv, draft_probs_ptr + rows * stride_qb + n * stride_qk, stride_qv, x_n,
+                has_draft, noise_rows, stride_nv, in_b, v_start, V, CHUNK, BLOCK_B, BLOCK_V, NUM_STAGES, HAS_Q, True)
             tl.store(part_val_ptr + part, top, mask=in_b)
-            tl.store(part_idx_ptr + part, tl.min(tl.where(best == top[:, None], best_idx, 2147483647), axis=1), mask=in_b)
-            tl.store(part_val_ptr + part + 1, tl.max(mass, axis=1), mask=in_b)
-            top = tl.max(fb, axis=1)
-            tl.store(part_val_ptr + part + 2, top, mask=in_b)
-            tl.store(part_idx_ptr + part + 2, tl.min(tl.where(fb == top[:, None], fb_idx, 2147483647), axis=1), mask=in_b)
+            tl.store(part_idx_ptr + part, idx, mask=in_b)
+            tl.store(part_val_ptr + part + 1, mass, mask=in_b)
+            tl.store(part_val_ptr + part + 2, fb_top, mask=in_b)
+            tl.store(part_idx_ptr + part + 2, fb_idx, mask=in_b)
 
         # all of this program's partial stores happen before its counter bump (barrier, then a release at gpu
         # scope); the last program's acquire then sees every chunk's partials (read past L1: .cg)
@@ -359,31 +354,21 @@ if triton is not None:
                 while c_k <= K:
                     c_vals = tl.load(part_val_ptr + parts + c_k, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
                     c_idx = tl.load(part_idx_ptr + parts + c_k, mask=in_bc, other=2147483647, cache_modifier=".cg")
-                    c_top = tl.max(c_vals, axis=1)
-                    c_best_k = tl.min(tl.where(c_vals == c_top[:, None], c_idx, 2147483647), axis=1)
+                    c_top, c_best_k = _lowest_argmax(c_vals, c_idx)
                     c_x_k = tl.load(draft_tokens_ptr + rows * stride_db + c_k * stride_dk, mask=active & (c_k < K), other=-1)
-                    final = tl.where(active, c_best_k, final)
-                    match = active & (c_k < K) & (c_best_k == c_x_k)
-                    n = tl.where(match, n + 1, n)
-                    active = match
+                    n, final, active = _greedy_step(c_best_k, c_x_k, c_k, K, n, final, active)
                     c_k += 1
             else:
                 c_vals = tl.load(part_val_ptr + parts, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
                 c_idx = tl.load(part_idx_ptr + parts, mask=in_bc, other=2147483647, cache_modifier=".cg")
-                c_top = tl.max(c_vals, axis=1)
-                final = tl.min(tl.where(c_vals == c_top[:, None], c_idx, 2147483647), axis=1)
+                c_top, final = _lowest_argmax(c_vals, c_idx)
                 c_mass = tl.load(part_val_ptr + parts + 1, mask=in_bc, other=0.0, cache_modifier=".cg")
                 empty = tl.max(c_mass, axis=1) <= 0.0  # p == q: the residual is empty; fall back to p_n
                 c_vals = tl.load(part_val_ptr + parts + 2, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
                 c_idx = tl.load(part_idx_ptr + parts + 2, mask=in_bc, other=2147483647, cache_modifier=".cg")
-                c_top = tl.max(c_vals, axis=1)
-                c_fallback = tl.min(tl.where(c_vals == c_top[:, None], c_idx, 2147483647), axis=1)
+                c_top, c_fallback = _lowest_argmax(c_vals, c_idx)
                 final = tl.where(empty, c_fallback, final)
-            tl.store(num_accepted_ptr + rows, n.to(tl.int64), mask=in_b)
-            pos = offs_k[None, :]
-            tokens = tl.where(pos < n[:, None], x, tl.where(pos == n[:, None], final[:, None].to(tl.int64), -1))
-            tl.store(tokens_ptr + rows[:, None] * stride_tb + pos * stride_tk, tokens,
-                     mask=in_b[:, None] & (pos < K + 1))
+            _store_outputs(num_accepted_ptr, tokens_ptr, stride_tb, stride_tk, rows, in_b, offs_k, x, n, final, K)
 
     @functools.lru_cache(maxsize=None)
     def _num_sms(device_index: int) -> int:

@@ -93,3 +93,32 @@ def test_no_draft_arm_wins_when_drafts_are_useless(strategy, model_free):
     assert pulls.get("no_draft", 0) > 2 * wasted, pulls  # plain rounds cost ~1 ms here, a useless one > 10 ms
     if model_free:  # free counterfactual scores keep exploration cheap
         assert wasted <= 10, pulls
+
+
+class OracleDrafter(Drafter):
+    """Proposes the next `k` tokens of a known greedy continuation: every proposal is accepted in full."""
+
+    def __init__(self, device, continuation, prompt_len):
+        super().__init__(device)
+        self.name, self.continuation, self.prompt_len = "oracle", continuation, prompt_len
+
+    def propose_ids(self, row, k):
+        done = len(row) - self.prompt_len
+        return self.continuation[done:done + k]
+
+
+def test_counterfactual_scores_wait_for_the_tokens_that_decide_them():
+    """A model-free arm that was not pulled is scored once later rounds show how far its proposal would have been
+    accepted, never on a guess: after a one-token plain round a 6-token proposal is still open; when the next round
+    has emitted enough, it scores as the 7 tokens a pulled round would have emitted."""
+    target = tiny_llama(vocab=50, seed=7, layers=2)
+    engine = Engine.from_models(target, [])
+    prompt, greedy = list(range(1, 9)), SamplingConfig(temperature=0.0)
+    plain = engine.generate(prompt, max_new_tokens=20, sampling=greedy, mode="plain").token_ids
+    engine.drafters["oracle"] = OracleDrafter(engine.target.device, plain, len(prompt))
+    events = list(engine.stream(prompt, max_new_tokens=20, sampling=greedy, gamma=6, drafters=["no_draft", "oracle"]))
+    assert [e.drafter for e in events[:2]] == ["no_draft", "oracle"]  # untried arms first, in order
+    oracle = [{a.name: a for a in e.arms}["oracle"] for e in events[:2]]
+    assert oracle[0].observations == 0  # round 0 emitted 1 token: the counterfactual is still open
+    assert events[1].accepted == tuple(plain[1:7]) and oracle[1].observations == 2 and oracle[1].pulls == 1
+    assert oracle[1].mean > 0.5  # the resolved counterfactual scored as 7 tokens for one verify of 7

@@ -59,3 +59,17 @@ def test_shipped_head_drafts_open_text(embedded_engine):
     """The trained head guesses open text (no prompt to copy): most rounds emit more than one token."""
     result = embedded_engine.generate(PROMPTS[2], max_new_tokens=64, drafters=["draft_head"], gamma=4)
     assert result.stats["tokens_per_forward"] > 1.8, result.stats
+
+
+def test_ngram_cache_drafts_a_recurring_answer(embedded_engine):
+    """Asked the same question again in a session, the n-gram cache copies its first answer: still exactly plain
+    decoding's tokens, in far fewer target forwards; after reset_session it has nothing to copy from."""
+    engine, greedy = embedded_engine, SamplingConfig(temperature=0.0)
+    engine.reset_session()
+    plain = engine.generate(PROMPTS[2], max_new_tokens=48, sampling=greedy, mode="plain").token_ids  # observed too
+    again = engine.generate(PROMPTS[2], max_new_tokens=48, sampling=greedy, gamma="auto", drafters=["ngram_cache"])
+    engine.reset_session()
+    cold = engine.generate(PROMPTS[2], max_new_tokens=48, sampling=greedy, gamma="auto", drafters=["ngram_cache"])
+    engine.reset_session()
+    assert again.token_ids == plain and cold.token_ids == plain
+    assert again.stats["target_forwards"] <= len(plain) / 4 < cold.stats["target_forwards"], (again.stats, cold.stats)

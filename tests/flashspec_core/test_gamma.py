@@ -1,7 +1,7 @@
 """Gamma selection from acceptance and measured costs."""
 import pytest
 
-from flashspec_core.gamma import Acceptance, CostModel, best_gamma, expected_tokens
+from flashspec_core.gamma import Acceptance, CostModel, best_gamma, best_length, expected_tokens
 
 
 def test_expected_tokens():
@@ -33,3 +33,35 @@ def test_acceptance_estimate_tracks_geometric_trials():
     for _ in range(30):
         a.observe(9, 10)  # nine accepted, then a rejection
     assert a.rate == pytest.approx(0.9, abs=0.02)
+
+
+def test_best_length_weighs_each_token_against_its_cost():
+    c = CostModel()
+    for t, s in ((1, 1.0), (2, 1.6), (5, 1.3)):  # a CPU whose 2-4 token forwards cost more than 5 (see benchmarks/drafters.py)
+        c.observe(t, s)
+    assert best_length([], c) == 0
+    assert best_length([0.05] * 8, c) == 0  # nothing pays: a plain step
+    assert best_length([0.9 ** j for j in range(1, 17)], c) >= 8  # a sure copy goes long
+    assert best_length([0.3, 0.1], c) == 0  # K = 1: 1.3 tokens for 1.6 steps; K = 2: 1.4 for 1.5 (interpolated)
+    assert best_length([0.5, 0.25, 0.125, 0.06], c) == 4  # K = 4 costs 1.3 steps for ~1.94 tokens
+    survival = [0.8 ** j for j in range(1, 9)]
+    rates = [(1 + sum(survival[:k])) / c.forward(k + 1) for k in range(0, 9)]
+    assert best_length(survival, c) == rates.index(max(rates))
+    assert c.curve(4)[:4] == [c.forward(t) for t in (1, 2, 3, 4)]
+    c.observe(3, 9.0)
+    assert c.curve(4)[2] == 9.0  # a new observation refreshes the cached curve
+
+
+def test_cost_model_extrapolates_with_the_measured_slope_never_above_the_prior():
+    c = CostModel()
+    for t, s in ((1, 1.0), (5, 1.3), (9, 1.5)):
+        c.observe(t, s)
+    assert c.forward(17) == pytest.approx(1.5 + 8 * 0.05)  # the last two points: 5% of a step a token
+    steep = CostModel()
+    for t, s in ((1, 1.0), (5, 2.0), (9, 3.0)):
+        steep.observe(t, s)
+    assert steep.forward(17) == pytest.approx(3.0 * (1 + 0.06 * 8))  # 25% a token measured: the 6% prior caps it
+    bump = CostModel()
+    for t, s in ((1, 1.0), (2, 1.6), (5, 1.3)):  # 2 tokens dearer than 5, as on this CPU
+        bump.observe(t, s)
+    assert bump.forward(9) == pytest.approx(1.3 + 4 * 0.075)  # falling last slope: the slope from 1 token
