@@ -48,9 +48,12 @@ def run_engine(engine: Engine, prompt: str, max_new: int, seed: int, **kwargs) -
     engine.reset_session()  # no n-gram memory of an earlier row's answer
     result = engine.generate(prompt, max_new_tokens=max_new, sampling=SamplingConfig(temperature=0.0), seed=seed, **kwargs)
     s = result.stats
+    drafted = [e for e in result.events if e.gamma]
+    draft_ms = 1e3 * sum(e.draft_s for e in drafted) / sum(e.gamma for e in drafted) if drafted else None
     return {"tokens": s["new_tokens"], "seconds": s["elapsed_s"], "tok_per_s": s["tok_per_s"],
             "acceptance": s["acceptance"], "tokens_per_forward": s["tokens_per_forward"],
-            "target_forwards": s["target_forwards"], "pulls": s["pulls"], "ids": result.token_ids}
+            "target_forwards": s["target_forwards"], "draft_ms_per_token": draft_ms, "pulls": s["pulls"],
+            "ids": result.token_ids}
 
 
 def run_hf(engine: Engine, prompt: str, max_new: int, **generate_kwargs) -> dict:
@@ -68,7 +71,7 @@ def run_hf(engine: Engine, prompt: str, max_new: int, **generate_kwargs) -> dict
         seconds = time.perf_counter() - t0
     new = out[0, ids.shape[1]:].tolist()
     return {"tokens": len(new), "seconds": seconds, "tok_per_s": len(new) / seconds, "acceptance": None,
-            "tokens_per_forward": None, "target_forwards": None, "pulls": None, "ids": new}
+            "tokens_per_forward": None, "target_forwards": None, "draft_ms_per_token": None, "pulls": None, "ids": new}
 
 
 def main(argv=None) -> int:
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
                "seed": args.seed, "gamma": gamma, "env": env, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2))
     fields = ["prompt", "config", "tokens", "seconds", "tok_per_s", "speedup", "acceptance", "tokens_per_forward",
-              "target_forwards", "same_as_plain", "max_new_tokens"]
+              "target_forwards", "draft_ms_per_token", "same_as_plain", "max_new_tokens"]
     with open(RESULTS / f"{stem}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -137,11 +140,13 @@ def table(rows, env) -> str:
     where = env["cuda"] or f"{env['machine']}, {env['threads']} threads"
     lines = [f"{where}, {env['dtype']}, {env['paths']['target']}, torch {env['torch']}, transformers {env['transformers']}, "
              f"commit {env['commit']}", "",
-             "| prompt | config | tokens | tok/s | speedup vs own plain | acceptance | tokens/target forward | same ids as plain |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "| prompt | config | tokens | tok/s | speedup vs own plain | acceptance | tokens/target forward | "
+             "draft ms/token | same ids as plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['prompt']} | {r['config']} | {r['tokens']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | "
-                     f"{fmt(r['acceptance'], '.2f')} | {fmt(r['tokens_per_forward'], '.2f')} | {r['same_as_plain']} |")
+                     f"{fmt(r['acceptance'], '.2f')} | {fmt(r['tokens_per_forward'], '.2f')} | "
+                     f"{fmt(r['draft_ms_per_token'], '.1f')} | {r['same_as_plain']} |")
     return "\n".join(lines)
 
 

@@ -5,10 +5,10 @@ import pytest
 from components.prompt import EXAMPLES_PATH, example_by_name, load_examples
 
 
-def test_examples_cover_the_six_kinds():
+def test_examples_cover_the_eight_kinds():
     examples = load_examples()
-    assert {ex["kind"] for ex in examples} == {"code edit", "rename", "summary", "document QA", "open chat",
-                                                "long repetitive answer"}
+    assert {ex["kind"] for ex in examples} == {"code edit", "rename", "summary", "document QA", "open chat", "story",
+                                                "explanation", "long repetitive answer"}
     for ex in examples:
         assert ex["prompt"].strip() and 1 <= ex["max_new_tokens"] <= 1024
 
