@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashspec_core.fast_path import COLUMNS_MAX_TOKENS, linear
+
 CONFIG_FILE, WEIGHTS_FILE, CARD_FILE = "config.json", "model.safetensors", "card.json"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -91,9 +93,6 @@ class _MLP(nn.Module):
         self.up_proj = nn.Linear(H, I, bias=False)
         self.down_proj = nn.Linear(I, H, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class _MidLayer(nn.Module):
     def __init__(self, cfg: HeadConfig):
@@ -122,6 +121,7 @@ class DraftHead(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.embed = embed.detach()  # the target's (shared storage); not a parameter, not in the state dict
+        self.columns = False  # inference on the CPU: "columns" products for a few tokens (see fast_path.linear)
         D = cfg.head_dim
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -145,6 +145,14 @@ class DraftHead(nn.Module):
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     # -- the layer, in pieces shared by both forwards -----------------------------------------------
+    def _linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        columns = self.columns and x[..., 0].numel() <= COLUMNS_MAX_TOKENS
+        return linear(x, layer.weight, None, columns)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's aux features [..., F] -> the head's hidden size [..., H] (`fc`)."""
+        return self._linear(self.fc, features)
+
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of x [B, heads, T, D] at positions pos [T] (or [B, T])."""
         freqs = pos.to(torch.float32)[..., None] * self.inv_freq  # [(B,) T, D/2]
@@ -163,9 +171,9 @@ class DraftHead(nn.Module):
         e = F.embedding(tokens, self.embed).to(hidden.dtype)
         x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
         attn = layer.self_attn
-        q = attn.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q = self._linear(attn.q_proj, x).view(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = self._linear(attn.k_proj, x).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self._linear(attn.v_proj, x).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         return self._rotate(q, pos), self._rotate(k, pos), v
 
     def _finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -173,13 +181,15 @@ class DraftHead(nn.Module):
         -> the layer's pre-norm output [B, T, H] (what the next draft step reads as its hidden state)."""
         B, _, T, _ = attended.shape
         layer = self.midlayer
-        h = hidden + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(B, T, -1))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = hidden + self._linear(layer.self_attn.o_proj, attended.transpose(1, 2).reshape(B, T, -1))
+        mlp, x = layer.mlp, layer.post_attention_layernorm(h)
+        return h + self._linear(mlp.down_proj, F.silu(self._linear(mlp.gate_proj, x)) * self._linear(mlp.up_proj, x))
 
     def logits(self, h: torch.Tensor, limit: int | None = None) -> torch.Tensor:
         """Pre-norm output [..., H] -> logits over the draft vocabulary [..., draft V], or over its first
         `limit` ids (the most frequent ones, for a cheaper step)."""
-        return F.linear(self.norm(h), self.lm_head.weight[:limit])
+        x = self.norm(h)
+        return linear(x, self.lm_head.weight[:limit], None, self.columns and x[..., 0].numel() <= COLUMNS_MAX_TOKENS)
 
     # -- inference ----------------------------------------------------------------------------------
     def step(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -207,7 +217,7 @@ class DraftHead(nn.Module):
         pre-norm output [B, T, H]; pass j at slot t predicts token t + 2 + j (ids past the end read as 0).
         """
         B, T = ids.shape
-        hidden = self.fc(features)
+        hidden = self.fuse(features)
         slots = torch.arange(T, device=ids.device)
         causal = slots[None, :] <= slots[:, None]  # [T, T]
         keys, values, outs = [], [], []

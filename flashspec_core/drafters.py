@@ -417,6 +417,7 @@ class DraftHeadDrafter(Drafter):
         if int(ids.max()) >= vocab_size:
             raise ValueError(f"the draft head names target ids up to {int(ids.max())}; the vocabulary has {vocab_size}")
         self.head, self.vocab_size, self.ids, self.limit = head, vocab_size, ids, vocab_limit
+        head.columns = self.device.type == "cpu"  # matrix products for its few rows there (fast_path.linear)
         self.aux_layers = head.cfg.aux_layers
         self.dtype = next(head.parameters()).dtype
         self.sampling, self.generator = SamplingConfig(), None
@@ -441,7 +442,7 @@ class DraftHeadDrafter(Drafter):
             return Proposal(torch.empty((B, 0), dtype=torch.int64, device=self.device), None)
         s, n = self.cache.length, self.pending.shape[1]
         following = torch.tensor([r[s + 1:s + 1 + n] for r in rows], device=self.device)  # token t + 1 of each slot
-        h = self.head.step(self.cache, following, self.head.fc(self.pending))[:, -1:]  # [B, 1, H]
+        h = self.head.step(self.cache, following, self.head.fuse(self.pending))[:, -1:]  # [B, 1, H]
         self.pending, verified = None, self.cache.length
         tokens, qs = [], []
         for i in range(k):

@@ -44,7 +44,7 @@ def test_ttt_forward_is_the_inference_chain(target):
         outs = head.ttt_forward(feats, ids, K)
         for t in (0, 3, 6):
             cache = HeadCache(head.cfg, 2, 4, "cpu", torch.float32)  # small: grows on demand
-            h = head.step(cache, ids[:, 1:t + 2], head.fc(feats[:, :t + 1]))
+            h = head.step(cache, ids[:, 1:t + 2], head.fuse(feats[:, :t + 1]))
             torch.testing.assert_close(h, outs[0][:, :t + 1], atol=1e-5, rtol=1e-5)
             h = h[:, -1:]
             for j in range(1, K):
@@ -57,9 +57,9 @@ def test_aux_hidden_states_match_hf(target):
     seq = torch.tensor([[5, 7, 11, 13, 17, 19, 23]])
     with torch.no_grad():
         ref = target(seq, output_hidden_states=True).hidden_states
-    want = torch.cat([ref[i] for i in (1, 3)], dim=-1)
+    want = torch.cat([ref[i] for i in (3, 1, 3)], dim=-1)  # any order, repeats allowed
     for lm in (CausalLM(target), StaticCausalLM(target, max_len=64)):
-        lm.aux_layers = (1, 3)
+        lm.aux_layers = (3, 1, 3)
         lm.reset()
         lm.forward(seq[:, :4])
         first = lm.aux
@@ -104,7 +104,7 @@ def test_greedy_with_the_head_equals_plain_and_cache_rolls_back(target):
     with torch.no_grad():
         feats = torch.cat([target(torch.tensor(rows), output_hidden_states=True).hidden_states[i]
                            for i in head.cfg.aux_layers], dim=-1)[:, :length]
-        head.step(fresh, torch.tensor(rows)[:, 1:length + 1], head.fc(feats))
+        head.step(fresh, torch.tensor(rows)[:, 1:length + 1], head.fuse(feats))
     torch.testing.assert_close(drafter.cache.k[:, :, :length], fresh.k[:, :, :length], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(drafter.cache.v[:, :, :length], fresh.v[:, :, :length], atol=1e-4, rtol=1e-4)
 

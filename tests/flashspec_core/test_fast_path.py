@@ -278,12 +278,12 @@ def test_sliding_window_and_dynamic_rope_are_refused():
 def test_fast_or_eager_modes():
     model = build("llama")
     assert is_supported(model) == (True, "")
-    auto = fast_or_eager(model, 97)  # a CPU model: auto declines, even on a machine with a GPU
-    assert type(auto) is CausalLM and auto.path == "eager (not on CUDA)"
+    auto = fast_or_eager(model, 97)  # a CPU model: the static path without graphs, columns GEMMs
+    assert isinstance(auto, StaticCausalLM) and auto.path == "static (columns GEMMs, no CUDA graphs)"
     off = fast_or_eager(model, 97, mode="off")
     assert type(off) is CausalLM and off.path == "eager (fast path off)"
     on = fast_or_eager(model, 90, mode="on", max_len=48)
-    assert isinstance(on, StaticCausalLM) and on.path == "static (no CUDA graphs)"
+    assert isinstance(on, StaticCausalLM) and on.path == "static (columns GEMMs, no CUDA graphs)"
     assert (on.vocab_size, on.context_window) == (90, 48)
     on.reset()
     assert on.forward(torch.tensor([[1, 2, 3]])).shape == (1, 3, 90)
@@ -393,3 +393,17 @@ def test_graphs_match_hf_exactly_in_fp32():
     assert static_greedy(lm, prompt, 64) == hf_greedy(model, prompt, 64)
     diff, _ = check_against_hf(model, lm, prompt, 64)
     assert diff < 1e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 10])
+@pytest.mark.parametrize("bias", [False, True])
+def test_columns_linear_equals_rows(tokens, bias):
+    """The CPU's "columns" product ((W @ x.T).T, one token duplicated) is F.linear up to float rounding."""
+    from flashspec_core.fast_path import linear
+
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(1, tokens, 48, generator=g)
+    w, b = torch.randn(97, 48, generator=g), (torch.randn(97, generator=g) if bias else None)
+    out = linear(x, w, b, columns=True)
+    assert out.shape == (1, tokens, 97)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
