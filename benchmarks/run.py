@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate() rows")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto = float32 on the CPU, bfloat16 on CUDA")
+    ap.add_argument("--tag", default="", help="a suffix for the result files (a variant beside the main run)")
     args = ap.parse_args(argv)
     gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
 
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
 
     env = environment()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}"
+    stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}" + (f"_{args.tag}" if args.tag else "")
     from flashspec_core.engine import paths
 
     env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine))

@@ -272,7 +272,7 @@ def build_decoding_pickers(prefix: str = "") -> dict[str, gr.components.Componen
     with gr.Row():
         c[prefix + "gamma"] = gr.Slider(1, MAX_UI_GAMMA, value=4, step=1, label="Gamma (draft tokens per round)",
                                         elem_id=eid + "gamma")
-        c[prefix + "gamma_auto"] = gr.Checkbox(value=False, label="Auto gamma", elem_id=eid + "gamma-auto",
+        c[prefix + "gamma_auto"] = gr.Checkbox(value=True, label="Auto gamma", elem_id=eid + "gamma-auto",
                                                info="Per drafter, from its acceptance and measured costs.")
     with gr.Row():
         c[prefix + "bandit"] = gr.Radio(list(STRATEGIES), value="ucb1", label="Bandit strategy", elem_id=eid + "bandit")

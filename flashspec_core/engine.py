@@ -270,7 +270,7 @@ class Engine:
             raise ValueError(f"token ids {shown(bad[:5])} are outside the vocabulary [0, {self.target.vocab_size})")
         return list(ids)
 
-    def stream(self, prompt, max_new_tokens: int = 64, sampling: SamplingConfig | None = None, gamma=4,
+    def stream(self, prompt, max_new_tokens: int = 64, sampling: SamplingConfig | None = None, gamma="auto",
                mode: str = "speculative", seed: int = 0, chat: bool = True, drafters: list[str] | None = None,
                bandit: str | None = None) -> Iterator[RoundEvent]:
         """Generate up to max_new_tokens, yielding one RoundEvent per round.

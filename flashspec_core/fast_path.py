@@ -110,7 +110,7 @@ class StaticCausalLM:
     gemm: how a linear layer multiplies T <= 10 tokens: "rows" = x @ W.T (F.linear), "columns" = (W @ x.T).T with
     at least two columns; "auto" = columns on the CPU, rows elsewhere. On a 2-core AMD EPYC with MKL the
     matrix-vector product of one token streamed the weights at ~12 GB/s and a matrix product with two columns
-    at ~35 GB/s, so columns halve a decode step there (51 -> 26 ms for SmolLM2-135M; benchmarks/GPU_NOTES.md).
+    at ~35 GB/s, so columns halve a decode step there (51 -> 27 ms for SmolLM2-135M; benchmarks/CPU_NOTES.md).
     """
 
     def __init__(self, model, vocab_size: int | None = None, *, max_len: int | None = None,

@@ -138,6 +138,7 @@ def test_race_of_two_speculative_configurations(page):
     page.get_by_role("tab", name="Side by side").click()
     page.get_by_text("Configurations A and B").click()  # the accordion
     page.locator("#a-mode").get_by_label("speculative").check()
+    page.locator("#a-gamma-auto").get_by_label("Auto gamma").uncheck()  # A: a fixed gamma (4), B: auto (the default)
     page.locator("#b-bandit").get_by_label("thompson").check()
     page.locator("#b-gamma-auto").get_by_label("Auto gamma").check()
     page.locator("#b-roles").get_by_label("n-gram cache").uncheck()
