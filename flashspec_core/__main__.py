@@ -40,6 +40,8 @@ def main(argv=None) -> int:
         for event in engine.stream(args.prompt, args.max_new_tokens, sampling, gamma=gamma, mode=args.mode, seed=args.seed):
             events.append(event)
             for span in event.spans:
+                if span.id in engine.eos_ids and span.kind != "rejected":
+                    continue  # the end-of-turn token ends the text; it is not printed as "<|im_end|>"
                 if args.no_color:
                     text = "" if span.kind == "rejected" else span.text
                 else:
