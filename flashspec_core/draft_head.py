@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashspec_core.fast_path import COLUMNS_MAX_TOKENS, linear
+from flashspec_core.fast_path import linear
 
 CONFIG_FILE, WEIGHTS_FILE, CARD_FILE = "config.json", "model.safetensors", "card.json"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -146,8 +146,7 @@ class DraftHead(nn.Module):
 
     # -- the layer, in pieces shared by both forwards -----------------------------------------------
     def _linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        columns = self.columns and x[..., 0].numel() <= COLUMNS_MAX_TOKENS
-        return linear(x, layer.weight, None, columns)
+        return linear(x, layer.weight, None, self.columns)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's aux features [..., F] -> the head's hidden size [..., H] (`fc`)."""
@@ -188,8 +187,7 @@ class DraftHead(nn.Module):
     def logits(self, h: torch.Tensor, limit: int | None = None) -> torch.Tensor:
         """Pre-norm output [..., H] -> logits over the draft vocabulary [..., draft V], or over its first
         `limit` ids (the most frequent ones, for a cheaper step)."""
-        x = self.norm(h)
-        return linear(x, self.lm_head.weight[:limit], None, self.columns and x[..., 0].numel() <= COLUMNS_MAX_TOKENS)
+        return linear(self.norm(h), self.lm_head.weight[:limit], None, self.columns)
 
     # -- inference ----------------------------------------------------------------------------------
     def step(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

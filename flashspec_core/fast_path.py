@@ -334,7 +334,7 @@ class StaticCausalLM:
         visible = self.slots[:S][None, :] <= pos.repeat(R)[:, None]  # [R*T, S]
         mask = torch.where(visible, self.zero, self.neg_inf)
         math = self.attention == "math" or (self.attention == "auto" and T <= self.max_graph_tokens)
-        columns = self.columns and B * T <= COLUMNS_MAX_TOKENS
+        columns = self.columns
         aux = {}  # layer -> the residual stream entering it
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
@@ -373,11 +373,16 @@ class StaticCausalLM:
         return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
+def _use_columns(columns: bool, x: torch.Tensor) -> bool:
+    """Whether a product over the rows of x [..., in] runs as columns: allowed, and at most COLUMNS_MAX_TOKENS rows."""
+    return columns and x[..., 0].numel() <= COLUMNS_MAX_TOKENS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, columns: bool = False):
-    """x [..., in] @ weight.T [in, out] (+ bias). columns=True computes it as (weight @ x.T).T with at least two
-    columns (one token is duplicated): the same numbers up to rounding, through a matrix product instead of a
-    matrix-vector product (see StaticCausalLM's `gemm`)."""
-    if not columns:
+    """x [..., in] @ weight.T [in, out] (+ bias). columns=True (for at most COLUMNS_MAX_TOKENS rows) computes it
+    as (weight @ x.T).T with at least two columns (one token is duplicated): the same numbers up to rounding,
+    through a matrix product instead of a matrix-vector product (see StaticCausalLM's `gemm`)."""
+    if not _use_columns(columns, x):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
@@ -391,7 +396,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _add_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  columns: bool = False) -> torch.Tensor:
     """x += a @ weight.T (+ bias), in place: without a bias (rows) one GEMM reads and writes x (beta = 1)."""
-    if bias is None and not columns:
+    if bias is None and not _use_columns(columns, a):
         return x.addmm_(a, weight.t())
     return x.add_(linear(a, weight, bias, columns))
 
