@@ -17,13 +17,12 @@ from typing import Iterator
 
 import torch
 
-from flashspec_core.bandit import ArmState, Bandit, speed_reward
+from flashspec_core.bandit import STRATEGIES, ArmState, Bandit, speed_reward
 from flashspec_core.draft_head import DraftHead, HeadMismatchError, load_head
 from flashspec_core.drafters import MODEL_FREE, DraftHeadDrafter, DraftModel, Drafter, NoDraft
 from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma
 from flashspec_core.fast_path import MODES as FAST_PATH_MODES
 from flashspec_core.fast_path import fast_or_eager
-from flashspec_core.bandit import STRATEGIES
 from flashspec_core.checks import SEED_RANGE, check_text, is_int, shown
 from flashspec_core.models import CausalLM, load_model, pick_device, pick_dtype
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
@@ -142,7 +141,7 @@ class _Stream:
     prefill_s: float = 0.0
     produced: int = 0  # tokens emitted so far
     index: int = 0  # rounds so far
-    open: list["_Counterfactual"] = field(default_factory=list)  # counterfactual proposals not yet decided
+    open: list[_Counterfactual] = field(default_factory=list)  # counterfactual proposals not yet decided
 
     def __post_init__(self):
         self.acceptance = {a: Acceptance() for a in self.arms}
@@ -427,7 +426,7 @@ class Engine:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize(self.target.device)
 
-    def _stream(self, s: "_Stream") -> Iterator[RoundEvent]:
+    def _stream(self, s: _Stream) -> Iterator[RoundEvent]:
         """The loop: choose an arm and K, run a round, learn from it, yield its event."""
         max_gamma = MAX_AUTO_GAMMA if s.gamma == "auto" else s.gamma
         s.t_start = time.perf_counter()  # generation is lazy: the clock starts with the first round's prefill
@@ -450,7 +449,7 @@ class Engine:
             if finished:
                 return
 
-    def _gamma(self, s: "_Stream", arm: str, limit: int) -> int:
+    def _gamma(self, s: _Stream, arm: str, limit: int) -> int:
         """K for this round: a fixed gamma, or for "auto" the K that maximises expected tokens per second from the
         arm's acceptance; a drafter that sets its own draft length (<= K, from the measured costs) gets the
         largest K under "auto"."""
@@ -461,7 +460,7 @@ class Engine:
                                                                          self.costs, MAX_AUTO_GAMMA)
         return max(0, min(gamma, limit))
 
-    def _learn(self, s: "_Stream", arm: str, out: RoundOutput, before: list[int], emitted: list[int], limit: int):
+    def _learn(self, s: _Stream, arm: str, out: RoundOutput, before: list[int], emitted: list[int], limit: int):
         """After a round: the arm's acceptance and draft cost, the bandit's reward, the other arms' scores."""
         K, n = len(out.draft), out.num_accepted[0]
         s.acceptance[arm].observe(n, K)
@@ -473,7 +472,7 @@ class Engine:
             s.bandit.update(arm, speed_reward(len(emitted) / (out.draft_s + out.verify_s), ref))
             self._score_counterfactuals(s, arm, before, emitted, limit, ref)
 
-    def _score_counterfactuals(self, s: "_Stream", pulled: str, before: list[int], emitted: list[int], limit: int,
+    def _score_counterfactuals(self, s: _Stream, pulled: str, before: list[int], emitted: list[int], limit: int,
                                ref: float):
         """Score model-free arms that were not pulled against the tokens the target actually emitted.
 
@@ -513,7 +512,7 @@ class Engine:
             return "length", emitted[:max_new_tokens - produced]
         return None, emitted
 
-    def _event(self, s: "_Stream", arm: str, out: RoundOutput, before: list[int], emitted: list[int], finished):
+    def _event(self, s: _Stream, arm: str, out: RoundOutput, before: list[int], emitted: list[int], finished):
         K, n = len(out.draft), out.num_accepted[0]
         accepted = tuple(emitted[:n])
         last = emitted[n] if len(emitted) > n else None
