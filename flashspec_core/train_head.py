@@ -15,33 +15,37 @@ import argparse
 import json
 import math
 import random
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from flashspec_core.draft_head import DraftHead, HeadConfig, save_head
-from flashspec_core.head_data import (Corpus, build_corpus, coverage, draft_vocabulary, excluded, self_prompts,
-                                      templated_prompts)
+from flashspec_core.draft_head import DraftHead, HeadConfig, load_head, save_head
+from flashspec_core.head_data import Corpus, Gen, answer_all, broad_prompts, coverage, draft_vocabulary, follow_ups
+from flashspec_core.prompt_bank import is_heldout
 
 ROOT = Path(__file__).resolve().parent.parent
+OPEN_PROMPTS = ROOT / "benchmarks" / "open_prompts.json"  # hand-written, never trained on
 SHARD_BYTES = 15 * 2 ** 20
-TOKEN_OFFSET = 32768  # corpus ids are stored as int16 (id - offset): vocabularies up to 65,536 tokens
+SHARD_TOKENS = 7 * 2 ** 20  # corpus shards: uint16 ids (vocabularies up to 65,536 tokens), under 15 MB each
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     target: str = "embedded"  # Hub id, folder or "embedded"
     seed: int = 0
-    self_prompts: int = 20000  # user turns the target writes itself (in all, shared by the data workers)
-    templated_prompts: int = 10000  # prompts of the app's classes, filled by the target
+    topic_asks_per_domain: int = 12  # topic lists the target writes for each seed domain
+    materials: int = 24000  # passages, code snippets and item lists the target writes for the bank's templates
+    bank_prompts: int = 120000  # prompts drawn from the bank (before de-duplication)
+    self_prompts: int = 16000  # user turns the target writes itself
+    follow_ups: int = 12000  # second turns on greedy first answers
     max_new_tokens: int = 256  # per answer
-    gen_batch: int = 384  # sequences per generate() call
-    sampled_fraction: float = 0.5  # prompts that also get a temperature-1 answer (all get a greedy one)
-    heldout_fraction: float = 0.03  # prompts whose answers are never trained on
+    gen_batch: int = 2048  # rows per generate() call (fewer for long prompts)
+    static_gen: bool = True  # static KV cache, padded to fixed shapes
+    gen_compile: bool = False  # let generate() compile the static decode step on CUDA (one compile per shape)
+    sampled_fraction: float = 0.5  # prompts that also get a sampled answer (half at temperature 0.7, half at 1)
+    round_answers: int = 16384  # answers made between two corpus shards (and deadline checks)
     draft_vocab: int = 16384  # rows of the head's output layer
     ttt_steps: int = 7  # draft passes unrolled per training step
     step_decay: float = 0.8  # loss weight of pass j: decay**j
@@ -49,10 +53,11 @@ class TrainConfig:
     warmup_steps: int = 60
     batch_tokens: int = 16384  # padded tokens per training batch
     max_len: int = 768  # longer sequences are cut
-    data_minutes: float = 3.5  # budget of each data worker, prompt making included
-    data_workers: int = 5  # processes making data at once (generation is launch-bound: several share a GPU well)
-    gen_dtype: str = "auto"  # the generating copies' dtype ("auto": bfloat16 on CUDA); training uses float32
+    data_minutes: float = 8.0  # generation budget (prompt making included); the corpus keeps what is done by then
+    gen_dtype: str = "auto"  # the generating copy's dtype ("auto": bfloat16 on CUDA); training reads float32 features
+    autocast: bool = True  # training and evaluation matmuls in bfloat16 on CUDA (float32 weights and optimizer)
     train_minutes: float = 12.0
+    total_minutes: float = 0.0  # if set, training gets what is left of this budget (from the start) after the data
     eval_every_s: float = 45.0
     eval_sequences: int = 192
 
@@ -173,6 +178,17 @@ def evaluate(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device) -
 # Training
 
 
+def autocast(cfg: TrainConfig, device):
+    """bfloat16 autocast on CUDA when cfg.autocast (weights, optimizer and softmaxes stay float32)."""
+    kind = torch.device(device).type
+    return torch.autocast(kind, dtype=torch.bfloat16, enabled=cfg.autocast and kind == "cuda")
+
+
+def evaluate_in(cfg: TrainConfig, device, head, model, corpus) -> dict:
+    with autocast(cfg, device):
+        return evaluate(head, model, corpus, cfg, device)
+
+
 def lr_at(step: int, fraction: float, cfg: TrainConfig) -> float:
     """Linear warm-up over warmup_steps, then a cosine over the time budget down to 10%."""
     warm = min(1.0, (step + 1) / cfg.warmup_steps)
@@ -197,7 +213,7 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device, log=
             if elapsed >= next_eval or elapsed >= budget:
                 point = {"step": base_step + step, "seconds": round(elapsed, 1), "tokens_seen": tokens,
                          "train_loss": sum(losses) / len(losses) if losses else None,
-                         **evaluate(head, model, corpus, cfg, device)}
+                         **evaluate_in(cfg, device, head, model, corpus)}
                 curve.append(point)
                 log(json.dumps(point))
                 if on_eval is not None:
@@ -208,7 +224,8 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device, log=
             batch = pad(corpus, idx, cfg.max_len, device)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, elapsed / budget, cfg)
-            loss = step_loss(head, model, batch, cfg)
+            with autocast(cfg, device):
+                loss = step_loss(head, model, batch, cfg)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -257,20 +274,38 @@ def load_checkpoint(folder: Path, model) -> tuple[DraftHead, dict]:
     return head.to(next(model.parameters()).device), meta
 
 
-def save_corpus(corpus: Corpus, path: Path) -> None:
-    from safetensors.torch import save_file
+def save_corpus(corpus: Corpus, folder: Path, name: str = "corpus") -> list[Path]:
+    """Write the corpus as `{name}-NNN.safetensors` shards of whole sequences, ids as uint16, each under 15 MB."""
+    import numpy as np
+    from safetensors.numpy import save_file
 
-    t = corpus.tensors()
-    t["tokens"] = (t["tokens"] - TOKEN_OFFSET).to(torch.int16)
-    save_file(t, str(path))
+    folder.mkdir(parents=True, exist_ok=True)
+    paths, first = [], 0
+    while first < len(corpus):
+        last, tokens = first, 0
+        while last < len(corpus) and (last == first or tokens + len(corpus.sequences[last]) <= SHARD_TOKENS):
+            tokens += len(corpus.sequences[last])
+            last += 1
+        part = Corpus(*(x[first:last] for x in (corpus.sequences, corpus.starts, corpus.heldout, corpus.greedy)))
+        t = {k: v.numpy() for k, v in part.tensors().items()}
+        if t["tokens"].size and (t["tokens"].min() < 0 or t["tokens"].max() > 65535):
+            raise ValueError("corpus ids must fit in uint16 (vocabularies up to 65,536 tokens)")
+        t["tokens"] = t["tokens"].astype(np.uint16)
+        paths.append(folder / f"{name}-{len(list(folder.glob(name + '-*.safetensors'))):03d}.safetensors")
+        save_file(t, str(paths[-1]))
+        first = last
+    return paths
 
 
-def load_corpus(path: Path) -> Corpus:
-    from safetensors.torch import load_file
+def load_corpus(folder: Path, name: str = "corpus") -> Corpus:
+    """Every `{name}-NNN.safetensors` shard in `folder`, in order, as one corpus."""
+    from safetensors.numpy import load_file
 
-    t = load_file(str(path))
-    t["tokens"] = t["tokens"].to(torch.int32) + TOKEN_OFFSET
-    return Corpus.from_tensors(t)
+    parts = []
+    for path in sorted(folder.glob(f"{name}-*.safetensors")):
+        t = {k: torch.from_numpy(v.astype("int32") if k == "tokens" else v) for k, v in load_file(str(path)).items()}
+        parts.append(Corpus.from_tensors(t))
+    return merge(parts)
 
 
 def export(head: DraftHead, meta: dict, out: Path) -> Path:
@@ -284,43 +319,40 @@ def export(head: DraftHead, meta: dict, out: Path) -> Path:
 # The command
 
 
-def make_corpus(model, tokenizer, cfg: TrainConfig, log=print) -> Corpus:
-    """Rounds of prompts (the target's own user turns and filled templates, minus anything like the app's
-    examples) and their answers, until the data budget runs out: whatever the speed, the corpus keeps its mix."""
+def make_corpus(gen: Gen, cfg: TrainConfig, folder: Path, log=print) -> Corpus:
+    """The bank's prompts, then rounds of answers (greedy for all, a share sampled) and follow-ups, each round
+    saved as shards in `folder`, until the data budget runs out: whatever the speed, the corpus keeps its mix."""
     rng = random.Random(cfg.seed)
-    examples = [e["prompt"] for e in json.loads((ROOT / "assets" / "examples.json").read_text())]
     t0 = time.monotonic()
     deadline = t0 + cfg.data_minutes * 60
-    rounds = max(1, math.ceil(cfg.self_prompts / cfg.gen_batch))
-    corpus = Corpus([], [], [], [])
-    for r in range(rounds):
+    sizes = {k: getattr(cfg, k) for k in ("topic_asks_per_domain", "materials", "bank_prompts", "self_prompts")}
+    prompts = broad_prompts(gen, sizes, rng, banned_texts(), log)
+    held = [{"kind": p.kind, "prompt": p.text} for p in prompts if is_heldout(p.kind, p.topic or p.text)]
+    rng.shuffle(held)
+    (folder / "heldout_prompts.json").write_text(json.dumps(held[:400], indent=1))
+    log(f"{len(prompts)} prompts ({len(held)} held out), {gen.tokens} tokens in {time.monotonic() - t0:.0f} s")
+    jobs = [(p, 0.0) for p in prompts] + [(p, rng.choice((0.7, 1.0))) for p in prompts if rng.random() < cfg.sampled_fraction]
+    rng.shuffle(jobs)
+    share = cfg.follow_ups / max(1, len(jobs))
+    parts, made, t_answers = [], gen.tokens, time.monotonic()
+    for at in range(0, len(jobs), cfg.round_answers):
         if time.monotonic() > deadline:
             break
-        prompts = self_prompts(model, tokenizer, cfg.self_prompts // rounds, cfg.gen_batch)
-        prompts += templated_prompts(model, tokenizer, cfg.templated_prompts // rounds, cfg.gen_batch, rng)
-        prompts = [p for p in dict.fromkeys(prompts) if not excluded(p, examples)]
-        corpus = merge([corpus, build_corpus(model, tokenizer, prompts, max_new=cfg.max_new_tokens, batch=cfg.gen_batch,
-                                             heldout_fraction=cfg.heldout_fraction, sampled_fraction=cfg.sampled_fraction,
-                                             rng=rng, deadline=deadline)])
-        tokens = sum(len(s) - b for s, b in zip(corpus.sequences, corpus.starts))
-        log(f"round {r}: {len(prompts)} prompts; {len(corpus)} answers, {tokens} answer tokens in {time.monotonic() - t0:.0f} s")
-    return corpus
+        part, firsts = answer_all(gen, jobs[at:at + cfg.round_answers], cfg.max_new_tokens)
+        part = merge([part, follow_ups(gen, firsts, round(share * cfg.round_answers), cfg.max_new_tokens, rng)])
+        save_corpus(part, folder)
+        parts.append(part)
+        answers = sum(len(s) - b for p in parts for s, b in zip(p.sequences, p.starts))
+        spent = time.monotonic() - t0
+        log(f"round {at // cfg.round_answers}: {sum(map(len, parts))} answers, {answers} answer tokens in {spent:.0f} s "
+            f"({(gen.tokens - made) / (time.monotonic() - t_answers):.0f} new tokens/s answering)")
+    return merge(parts)
 
 
-def make_corpus_parallel(cfg: TrainConfig, ckpt: Path, argv: list[str], log=print) -> Corpus:
-    """cfg.data_workers processes of this command (`--data-worker i`), each with its share of the prompts and its
-    own seed, until its own data budget runs out; their corpora are merged (and their files removed)."""
-    workers = [subprocess.Popen([sys.executable, "-m", "flashspec_core.train_head", *argv, "--data-worker", str(i)])
-               for i in range(cfg.data_workers)]
-    codes = [w.wait() for w in workers]
-    if any(codes):
-        raise RuntimeError(f"data workers exited with {codes}")
-    parts = [ckpt / f"corpus-part{i}.safetensors" for i in range(cfg.data_workers)]
-    corpus = merge([load_corpus(p) for p in parts])
-    for p in parts:
-        p.unlink()
-    log(f"{len(corpus)} answers from {cfg.data_workers} workers")
-    return corpus
+def banned_texts() -> list[str]:
+    """Prompts that the data must never resemble: the app's examples and the hand-written evaluation set."""
+    examples = [e["prompt"] for e in json.loads((ROOT / "assets" / "examples.json").read_text())]
+    return examples + [e["prompt"] for e in json.loads(OPEN_PROMPTS.read_text())]
 
 
 def merge(corpora: list[Corpus]) -> Corpus:
@@ -333,20 +365,6 @@ def merge(corpora: list[Corpus]) -> Corpus:
     return out
 
 
-def data_worker(cfg: TrainConfig, ckpt: Path, index: int) -> int:
-    """One data worker: prompts and answers with seed cfg.seed * 1000 + index, saved as corpus-part{index}."""
-    from flashspec_core.models import load_model, pick_device, pick_dtype
-
-    device = pick_device("auto")
-    share = replace(cfg, seed=cfg.seed * 1000 + index, self_prompts=cfg.self_prompts // cfg.data_workers,
-                    templated_prompts=cfg.templated_prompts // cfg.data_workers)
-    model, tokenizer = load_model(cfg.target, device, pick_dtype(cfg.gen_dtype, device))
-    torch.manual_seed(share.seed)
-    save_corpus(make_corpus(model, tokenizer, share, log=lambda m: print(f"[worker {index}] {m}", flush=True)),
-                ckpt / f"corpus-part{index}.safetensors")
-    return 0
-
-
 def describe(corpus: Corpus, head: DraftHead, cfg: TrainConfig) -> dict:
     answer = lambda i: len(corpus.sequences[i]) - corpus.starts[i]  # noqa: E731
     train, held = corpus.split(False), corpus.split(True)
@@ -355,16 +373,6 @@ def describe(corpus: Corpus, head: DraftHead, cfg: TrainConfig) -> dict:
             "greedy_answers": sum(corpus.greedy), "sampled_answers": len(corpus) - sum(corpus.greedy),
             "draft_vocab": head.cfg.draft_vocab_size, "heldout_coverage": round(coverage(corpus, head.draft_ids.cpu()), 4),
             "trainable_parameters": sum(p.numel() for p in head.parameters() if p.requires_grad)}
-
-
-def heldout_prompts(corpus: Corpus, tokenizer, limit: int = 200) -> list[str]:
-    """The user's words of held-out prompts (each once), for benchmarks on prompts the head never saw."""
-    from flashspec_core.head_data import chat_prefix
-
-    before, after = chat_prefix(tokenizer)
-    texts = [tokenizer.decode(corpus.sequences[i][:corpus.starts[i]]) for i in corpus.split(True)]
-    texts = [t.removeprefix(before).removesuffix(after) for t in texts]
-    return list(dict.fromkeys(texts))[:limit]
 
 
 def new_head(model, corpus: Corpus, cfg: TrainConfig, eos_ids) -> DraftHead:
@@ -382,8 +390,7 @@ def parse_args(argv=None):
     ap.add_argument("--resume", action="store_true", help="continue from the checkpoint's weights")
     ap.add_argument("--train-minutes", type=float, help="override TrainConfig.train_minutes (0 = export only)")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override any TrainConfig field")
-    ap.add_argument("--add-corpus", help="a corpus.safetensors from an earlier run, merged into the new one")
-    ap.add_argument("--data-worker", type=int, help=argparse.SUPPRESS)  # internal: one of the data processes
+    ap.add_argument("--init", help="start from this shipped head's weights (any draft vocabulary), e.g. assets/draft_head")
     args = ap.parse_args(argv)
     fields = {f: type(v) for f, v in asdict(TrainConfig()).items()}
     overrides = {}
@@ -397,35 +404,60 @@ def parse_args(argv=None):
     return args, TrainConfig(**overrides)
 
 
+def corpus_for(cfg: TrainConfig, model, tokenizer, ckpt: Path, log=print) -> Corpus:
+    """The checkpoint's corpus, or a new one made by a generating copy of the target (bfloat16 on CUDA)."""
+    import copy
+
+    from flashspec_core.models import pick_dtype
+
+    if (ckpt / "corpus.json").exists():
+        return load_corpus(ckpt)
+    for old in ckpt.glob("corpus-*.safetensors"):  # an unfinished corpus is made again
+        old.unlink()
+    t0 = time.monotonic()
+    gen_model = copy.deepcopy(model).to(pick_dtype(cfg.gen_dtype, model.device))
+    gen_model.generation_config.disable_compile = not cfg.gen_compile
+    gen = Gen(gen_model, tokenizer, cfg.gen_batch, cfg.static_gen, cfg.max_new_tokens)
+    corpus = make_corpus(gen, cfg, ckpt, log)
+    spent = time.monotonic() - t0
+    (ckpt / "corpus.json").write_text(json.dumps({"answers": len(corpus), "new_tokens": gen.tokens, "seconds": round(spent, 1),
+                                                  "new_tokens_per_s": round(gen.tokens / spent)}, indent=1))
+    del gen, gen_model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return corpus
+
+
+def start_head(args, cfg: TrainConfig, model, corpus: Corpus, ckpt: Path, eos) -> tuple[DraftHead, dict]:
+    """The head to train: resumed from the checkpoint, or new (its trainable weights from `--init` if given)."""
+    if args.resume:
+        head, meta = load_checkpoint(ckpt, model)
+        meta["train"] = asdict(cfg)
+        return head, meta
+    head = new_head(model, corpus, cfg, eos)
+    if args.init:
+        shipped = load_head(Path(args.init), model.config, model.get_input_embeddings().weight, head.d2t.device)
+        keep = {n: t for n, t in shipped.state_dict().items() if n not in ("lm_head.weight", "d2t", "t2d")}
+        head.load_state_dict(keep, strict=False)
+    return head, {"target": cfg.target, "train": asdict(cfg), "curve": [], "seconds": {}, "init": args.init}
+
+
 def main(argv=None) -> int:
     from flashspec_core.models import load_model, pick_device
 
+    start = time.monotonic()
     args, cfg = parse_args(argv)
     ckpt = Path(args.ckpt)
     ckpt.mkdir(parents=True, exist_ok=True)
-    if args.data_worker is not None:
-        return data_worker(cfg, ckpt, args.data_worker)
     device = pick_device("auto")
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(cfg.target, device, torch.float32)  # also converts the embedded model once
     t0 = time.monotonic()
-    if (ckpt / "corpus.safetensors").exists():
-        corpus = load_corpus(ckpt / "corpus.safetensors")
-    else:
-        argv = sys.argv[1:] if argv is None else list(argv)
-        corpus = make_corpus_parallel(cfg, ckpt, argv) if cfg.data_workers > 1 else make_corpus(model, tokenizer, cfg)
-        if args.add_corpus:
-            corpus = merge([corpus, load_corpus(Path(args.add_corpus))])
-        save_corpus(corpus, ckpt / "corpus.safetensors")
-        (ckpt / "heldout_prompts.json").write_text(json.dumps(heldout_prompts(corpus, tokenizer), indent=1))
+    corpus = corpus_for(cfg, model, tokenizer, ckpt)
     data_s = time.monotonic() - t0
+    if cfg.total_minutes > 0:  # the data took what it took; training fills the rest of the budget
+        cfg = replace(cfg, train_minutes=max(0.5, cfg.total_minutes - (time.monotonic() - start) / 60))
     eos = [e for e in [tokenizer.eos_token_id] if e is not None]
-    if args.resume:
-        head, meta = load_checkpoint(ckpt, model)
-        meta["train"] = asdict(cfg)
-    else:
-        head = new_head(model, corpus, cfg, eos)
-        meta = {"target": cfg.target, "train": asdict(cfg), "curve": [], "seconds": {}}
+    head, meta = start_head(args, cfg, model, corpus, ckpt, eos)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # training only (TF32 matmuls)
     t1 = time.monotonic()
     spent = dict(meta["seconds"])
@@ -433,7 +465,7 @@ def main(argv=None) -> int:
     def checkpoint(curve):
         meta.update(head={**asdict(head.cfg), "aux_layers": list(head.cfg.aux_layers)}, seed=cfg.seed,
                     sizes=sizes, steps=curve[-1]["step"] if curve else 0, heldout=curve[-1] if curve else None,
-                    curve=curve, recipe=RECIPE)
+                    curve=curve, recipe=RECIPE, data=json.loads((ckpt / "corpus.json").read_text()))
         if cfg.train_minutes > 0:  # what ran here (an export-only call keeps the training machine's record)
             meta["seconds"] = {"data": round(data_s + spent.get("data", 0), 1),
                                "train": round(time.monotonic() - t1 + spent.get("train", 0), 1)}
@@ -454,13 +486,17 @@ def main(argv=None) -> int:
     return 0
 
 
-RECIPE = ("Self-distillation, no data set: prompts are user turns the target writes after its own system turn "
-          "(temperature 1) and templates of the app's classes (summaries, document questions, code edits, lists and "
-          "JSON, open requests) filled with passages, code and lists the target wrote first (temperature 0.8); "
-          "prompts resembling assets/examples.json are dropped; every prompt gets the target's greedy answer and a "
-          "share a temperature-1 answer; a held-out share of prompts is never trained on. Loss: training-time test "
-          "over K draft passes, cross-entropy against the target's temperature-1 distribution restricted to the "
-          "draft vocabulary (the most frequent answer tokens), pass j weighted decay**j; AdamW, warm-up, cosine.")
+RECIPE = ("Self-distillation, no data set: the target lists topics of ~100 seed domains and writes passages, code "
+          "and item lists about them (temperature 0.8); 48 kinds of request (stories, poems, explanations for several "
+          "audiences, letters and emails, recipes, how-tos, advice, comparisons, lists, plans, dialogues, definitions, "
+          "trivia, opinions, summaries, questions and rewrites of passages, code written / explained / fixed / "
+          "converted, JSON and tables, arithmetic and word problems, ...) are crossed with those topics, audiences, "
+          "tones and lengths, plus user turns the target writes itself; prompts resembling assets/examples.json or "
+          "benchmarks/open_prompts.json are dropped; every prompt gets the target's greedy answer, half of them a "
+          "sampled one (temperature 0.7 or 1), and a share of first answers a follow-up turn; whole kinds and a share "
+          "of topics are held out. Loss: training-time test over K draft passes, cross-entropy against the target's "
+          "temperature-1 distribution restricted to the draft vocabulary (the most frequent answer tokens), pass j "
+          "weighted decay**j; AdamW, warm-up, cosine; bfloat16 autocast on CUDA.")
 
 
 if __name__ == "__main__":

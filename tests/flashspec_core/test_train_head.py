@@ -1,5 +1,6 @@
 """A few-step CPU run of the draft head's training recipe on a tiny random target (with the embedded model's
 tokenizer and chat template): the corpus, the draft vocabulary, the loss going down, checkpoints and export."""
+import json
 import random
 
 import pytest
@@ -7,13 +8,13 @@ import torch
 
 from flashspec_core import Engine
 from flashspec_core.draft_head import load_head
-from flashspec_core.head_data import Corpus, chat_prefix, coverage, draft_vocabulary
+from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary
 from flashspec_core.train_head import (TrainConfig, batches, export, load_checkpoint, load_corpus, make_corpus, merge,
                                        new_head, pad, save_checkpoint, save_corpus, step_loss, train)
 
-CFG = TrainConfig(self_prompts=6, templated_prompts=6, max_new_tokens=10, gen_batch=6, draft_vocab=256, ttt_steps=3,
-                  batch_tokens=512, max_len=256, data_minutes=5, train_minutes=0.02, eval_every_s=1000,
-                  heldout_fraction=0.3, eval_sequences=4)
+CFG = TrainConfig(topic_asks_per_domain=1, materials=8, bank_prompts=40, self_prompts=4, follow_ups=4, max_new_tokens=10,
+                  gen_batch=64, round_answers=32, draft_vocab=256, ttt_steps=3, batch_tokens=512, max_len=256,
+                  data_minutes=5, train_minutes=0.02, eval_every_s=1000, eval_sequences=4)
 
 
 @pytest.fixture(scope="module")
@@ -35,21 +36,50 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def corpus(tiny):
-    return make_corpus(*tiny, CFG, log=lambda m: None)
+def made(tiny, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ckpt")
+    gen = Gen(*tiny, CFG.gen_batch, CFG.static_gen, CFG.max_new_tokens)
+    return make_corpus(gen, CFG, folder, log=lambda m: None), folder
 
 
-def test_corpus_is_prompt_then_answer_with_a_heldout_split(tiny, corpus, tmp_path):
+@pytest.fixture(scope="module")
+def corpus(made):
+    return made[0]
+
+
+def test_corpus_is_prompt_then_answer_with_a_heldout_split(tiny, made, tmp_path):
     _, tokenizer = tiny
+    corpus, folder = made
     before, after = chat_prefix(tokenizer)
-    assert len(corpus) >= 6 and any(corpus.heldout) and not all(corpus.heldout)
-    assert any(corpus.greedy) and corpus.starts
+    assert len(corpus) >= 40 and any(corpus.heldout) and not all(corpus.heldout)
+    assert any(corpus.greedy) and not all(corpus.greedy) and corpus.starts
+    second_turns = 0
     for seq, start in zip(corpus.sequences, corpus.starts):
         text = tokenizer.decode(seq[:start])
         assert text.startswith(before) and text.endswith(after) and 0 < len(seq) - start <= CFG.max_new_tokens
-    save_corpus(corpus, tmp_path / "corpus.safetensors")
-    again = load_corpus(tmp_path / "corpus.safetensors")
+        second_turns += text.count("<|im_start|>user") == 2
+    assert second_turns >= 1  # follow-ups: a first exchange, then a second user turn
+    again = load_corpus(folder)  # the shards the rounds wrote, in order
     assert again.sequences == corpus.sequences and again.starts == corpus.starts and again.heldout == corpus.heldout
+    held = json.loads((folder / "heldout_prompts.json").read_text())
+    assert held and {"kind", "prompt"} <= set(held[0])
+
+
+def test_corpus_shards_are_uint16_and_bounded(corpus, tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+
+    import flashspec_core.train_head as th
+
+    monkeypatch.setattr(th, "SHARD_TOKENS", 300)
+    paths = save_corpus(corpus, tmp_path)
+    assert len(paths) > 1
+    for p in paths:
+        t = load_file(str(p))
+        assert t["tokens"].dtype.name == "uint16" and t["tokens"].size <= max(300, t["lengths"].max())
+    again = load_corpus(tmp_path)
+    assert again.sequences == corpus.sequences and again.greedy == corpus.greedy
+    with pytest.raises(ValueError, match="uint16"):
+        save_corpus(Corpus([[70000, 1]], [1], [False], [True]), tmp_path / "big")
 
 
 def test_draft_vocabulary_is_the_most_frequent_answer_tokens():
