@@ -1,91 +1,154 @@
-"""The draft head on prompts it never saw (the held-out split of its training data): tokens per target
-forward and acceptance, greedy and at temperature 1, tok/s against own plain decoding, and one head step's
-cost against one target step.
+"""The draft head on prompts it never trained on: the hand-written `benchmarks/open_prompts.json` (the way people
+type into a demo; never generated, never trained on) and the generator's held-out split (whole kinds and topics
+kept out of training), per kind of request.
 
-    python -m benchmarks.head [--prompts 12] [--max-new-tokens 96] [--gamma auto]
+    python -m benchmarks.head [--head assets/draft_head ...] [--sets open,heldout] [--heldout 40] [--online-k 4,6,8]
 
-Every run is cold (drafter memories reset) and uses the same seed. Writes JSON under benchmarks/results/ and
-prints a table. Numbers, not assertions.
+For each prompt, own plain decoding gives the target's greedy answer and a temperature-1 answer (same seed).
+Teacher-forced along them, the head's K draft passes from every answer position give the first pass's top-1
+agreement with the target, the greedy chain's tokens per target forward at K = 4, 6, 8 (exact: a chain is
+accepted while it equals the target's argmax) and the expected tokens per forward at temperature 1 (sum over k
+of the product of sum_v min(p, q) of the first k passes, along the sampled answer). Online, the engine drafts
+with the head alone at each K of --online-k (greedy, cold): tokens per forward and tok/s against own plain.
+Several --head folders are compared on the same answers. Writes JSON under benchmarks/results/ and prints a
+table. Numbers, not assertions.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from statistics import mean, median
+from pathlib import Path
+from statistics import mean
+
+import torch
 
 from flashspec_core import Engine, SamplingConfig
+from flashspec_core.draft_head import load_head
+from flashspec_core.drafters import DraftHeadDrafter
 from flashspec_core.engine import HEADS
+from flashspec_core.models import load_model, pick_device, pick_dtype
+from flashspec_core.train_head import target_side
 
-from benchmarks.run import GREEDY, RESULTS, environment, run_engine
+from benchmarks.run import GREEDY, RESULTS, ROOT, environment, run_engine
 
-SAMPLINGS = {"greedy": GREEDY, "t1": SamplingConfig(temperature=1.0)}
+T1 = SamplingConfig(temperature=1.0)
+KS = (4, 6, 8)
 
 
-def heldout_prompts(n: int) -> list[str]:
-    return json.loads((HEADS["embedded"].folder / "heldout_prompts.json").read_text())[:n]
+def load_prompts(name: str, head_folder: Path, n: int | None) -> list[dict]:
+    """[{"kind", "prompt"}] of a set: "open" (hand-written) or "heldout" (the head's generator's held-out split)."""
+    path = ROOT / "benchmarks" / "open_prompts.json" if name == "open" else head_folder / "heldout_prompts.json"
+    rows = [r if isinstance(r, dict) else {"kind": "heldout", "prompt": r} for r in json.loads(path.read_text())]
+    return rows[:n] if n else rows
+
+
+@torch.no_grad()
+def teacher_forced(model, head, prompt_ids: list[int], answer: list[int], K: int) -> dict[str, torch.Tensor]:
+    """Per answer slot: hits [S, K] (pass j's argmax equals the target's) and alphas [S, K] (sum_v min(p, q))."""
+    ids = torch.tensor([prompt_ids + answer], device=model.device)
+    features, probs, top = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
+    outs = head.ttt_forward(features.to(head.fc.weight.dtype), ids, K)
+    start, L = len(prompt_ids), ids.shape[1]
+    slots = torch.arange(max(0, start - 1), max(0, L - 1 - K), device=ids.device)  # first draft after the bonus token
+    hits, alphas = [], []
+    for j, h in enumerate(outs):
+        logits = head.logits(h[0, slots]).float()
+        hits.append(head.draft_ids[logits.argmax(-1)] == top[0, slots + 1 + j])
+        alphas.append(torch.minimum(probs[0, slots + 1 + j], logits.softmax(-1)).sum(-1))
+    return {"hits": torch.stack(hits, -1).float(), "alphas": torch.stack(alphas, -1)}
+
+
+def chain(x: torch.Tensor, K: int) -> float:
+    """Mean tokens per target forward of K-token chains whose step k is accepted with x[:, k] (0/1 or a probability)."""
+    return float((1 + x[:, :K].cumprod(-1).sum(-1)).mean()) if len(x) else float("nan")
+
+
+def measure_prompt(engine: Engine, model, heads: dict, row: dict, args) -> dict:
+    prompt_ids = engine.encode(row["prompt"])
+    plain = run_engine(engine, row["prompt"], args.max_new_tokens, args.seed, mode="plain")
+    sampled = run_engine(engine, row["prompt"], args.max_new_tokens, args.seed, T1, mode="plain")
+    out = {**row, "plain_tok_per_s": plain["tok_per_s"], "answer_tokens": len(plain["ids"]), "heads": {}}
+    for name, (head, head_engine) in heads.items():
+        g = teacher_forced(model, head, prompt_ids, plain["ids"], max(KS))
+        s = teacher_forced(model, head, prompt_ids, sampled["ids"], max(KS))
+        r = {"top1": float(g["hits"][:, 0].mean()) if len(g["hits"]) else float("nan"),
+             **{f"tf_greedy_k{k}": chain(g["hits"], k) for k in KS}, **{f"tf_t1_k{k}": chain(s["alphas"], k) for k in KS}}
+        for k in args.online_k:
+            o = run_engine(head_engine, row["prompt"], args.max_new_tokens, args.seed, drafters=["draft_head"], gamma=k)
+            r[f"online_k{k}"] = o["tokens_per_forward"]
+            r[f"speedup_k{k}"] = o["tok_per_s"] / plain["tok_per_s"]
+            r[f"same_k{k}"] = o["ids"] == plain["ids"]
+        out["heads"][name] = r
+    return out
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Means over prompts, per set and head, overall and per kind."""
+    out = {}
+    for set_name in dict.fromkeys(r["set"] for r in rows):
+        of_set = [r for r in rows if r["set"] == set_name]
+        for head in of_set[0]["heads"]:
+            def means(rs):
+                keys = rs[0]["heads"][head].keys()
+                return {k: mean(float(r["heads"][head][k]) for r in rs) for k in keys} | {"prompts": len(rs)}
+            kinds = {k: means([r for r in of_set if r["kind"] == k]) for k in dict.fromkeys(r["kind"] for r in of_set)}
+            out[f"{set_name} | {head}"] = {"all": means(of_set), "kinds": kinds}
+    return out
+
+
+def table(summary: dict, online_k: list[int]) -> str:
+    cols = ["top1", *[f"tf_greedy_k{k}" for k in KS], *[f"tf_t1_k{k}" for k in KS],
+            *[f"online_k{k}" for k in online_k], *[f"speedup_k{k}" for k in online_k]]
+    lines = ["| set / head | prompts | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['all']['prompts']} | " + " | ".join(f"{s['all'][c]:.3f}" for c in cols) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--head", action="append", help="an EAGLE-3 head folder (repeat to compare); default: the shipped one")
+    ap.add_argument("--sets", default="open,heldout")
+    ap.add_argument("--heldout", type=int, default=40, help="held-out prompts of the first head's generator")
+    ap.add_argument("--prompts", type=int, default=0, help="at most this many prompts of each set (0 = all)")
+    ap.add_argument("--online-k", default="4,6,8", help="draft lengths of the online runs ('' = none)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--gamma", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--tag", default="", help="suffix of the result file")
     args = ap.parse_args(argv)
-    gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
-    engine = Engine.from_preset("embedded", device=args.device, dtype=args.dtype)
-    run_engine(engine, "Hello!", 8, args.seed, drafters=["draft_head"], gamma=gamma)  # warm-up
+    args.online_k = [int(k) for k in args.online_k.split(",") if k]
+    folders = [Path(h) for h in args.head or [HEADS["embedded"].folder]]
+    device = pick_device(args.device)
+    model, tokenizer = load_model("embedded", device, pick_dtype("auto", device))
+    embed = model.get_input_embeddings().weight
+    heads = {}  # folder name -> (head, an engine drafting with it alone)
+    for f in folders:
+        head = load_head(f, model.config, embed, dtype=embed.dtype)
+        drafter = DraftHeadDrafter(head, model.config.vocab_size, HEADS["embedded"].vocab_limit)
+        heads[f.parent.name + "/" + f.name] = (head, Engine.from_models(model, [drafter], tokenizer=tokenizer, name="embedded"))
+        run_engine(heads[f.parent.name + "/" + f.name][1], "Hello!", 8, args.seed, drafters=["draft_head"], gamma=4)  # warm-up
+    engine = next(iter(heads.values()))[1]
     rows = []
-    for i, prompt in enumerate(heldout_prompts(args.prompts)):
-        plain = run_engine(engine, prompt, args.max_new_tokens, args.seed, mode="plain")
-        row = {"prompt": i, "plain_tok_per_s": plain["tok_per_s"], "target_step_ms": plain["verify_ms"]}
-        for name, sampling in SAMPLINGS.items():
-            r = run_engine(engine, prompt, args.max_new_tokens, args.seed, sampling, drafters=["draft_head"], gamma=gamma)
-            if name == "greedy":
-                row["same_as_plain"] = r["ids"] == plain["ids"]
-            row[name] = {k: v for k, v in r.items() if k != "ids"}
-        rows.append(row)
-        print(f"prompt {i:2d}: plain {plain['tok_per_s']:6.1f} tok/s | greedy {row['greedy']['tokens_per_forward']:.2f} "
-              f"tokens/forward {row['greedy']['tok_per_s'] / plain['tok_per_s']:.2f}x | t1 "
-              f"{row['t1']['tokens_per_forward']:.2f} tokens/forward", flush=True)
+    for set_name in args.sets.split(","):
+        n = args.heldout if set_name == "heldout" else args.prompts
+        for row in load_prompts(set_name, folders[0], n or None):
+            rows.append({"set": set_name, **measure_prompt(engine, model, heads, row, args)})
+            h = rows[-1]["heads"]
+            print(f"{set_name:8s} {row['kind']:16s} " + " ".join(
+                f"{name}: top1 {r['top1']:.2f} tf6 {r['tf_greedy_k6']:.2f}" for name, r in h.items()), flush=True)
     summary = summarize(rows)
     env = environment()
     payload = {"command": "python -m benchmarks.head " + " ".join(sys.argv[1:] if argv is None else argv),
-               "gamma": gamma, "max_new_tokens": args.max_new_tokens, "seed": args.seed, "env": env,
-               "summary": summary, "rows": rows}
+               "heads": [str(f) for f in folders], "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+               "env": env, "summary": summary, "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"head_embedded_{'cuda' if env['cuda'] else 'cpu'}.json"
-    out.write_text(json.dumps(payload, indent=2))
-    print(table(summary, env))
+    out = RESULTS / f"head_embedded_{'cuda' if env['cuda'] else 'cpu'}{'_' + args.tag if args.tag else ''}.json"
+    out.write_text(json.dumps(payload, indent=1))
+    print(f"{env['cuda'] or env['machine']}, torch {env['torch']}, commit {env['commit']}; {out.relative_to(ROOT)}")
+    print(table(summary, args.online_k))
     return 0
-
-
-def summarize(rows: list[dict]) -> dict:
-    """Means over prompts (tokens per forward weights every round equally within a prompt)."""
-    out = {"prompts": len(rows), "same_as_plain": sum(r["same_as_plain"] for r in rows),
-           "target_step_ms": median(r["target_step_ms"] for r in rows)}
-    for name in SAMPLINGS:
-        out[name] = {"tokens_per_forward": mean(r[name]["tokens_per_forward"] for r in rows),
-                     "acceptance": mean(r[name]["acceptance"] for r in rows),
-                     "speedup": mean(r[name]["tok_per_s"] / r["plain_tok_per_s"] for r in rows),
-                     "head_step_ms": median(r[name]["draft_ms_per_token"] for r in rows)}
-    return out
-
-
-def table(s: dict, env: dict) -> str:
-    where = env["cuda"] or f"{env['machine']}, {env['threads']} threads"
-    lines = [f"{where}, torch {env['torch']}, commit {env['commit']}; {s['prompts']} held-out prompts, "
-             f"greedy ids equal to plain in {s['same_as_plain']}/{s['prompts']}", "",
-             "| sampling | tokens per target forward | acceptance | speedup vs own plain | head step ms | target step ms | head / target |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for name in SAMPLINGS:
-        r = s[name]
-        lines.append(f"| {name} | {r['tokens_per_forward']:.2f} | {r['acceptance']:.2f} | {r['speedup']:.2f}x | "
-                     f"{r['head_step_ms']:.2f} | {s['target_step_ms']:.2f} | {r['head_step_ms'] / s['target_step_ms']:.1%} |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -146,7 +146,9 @@ def evaluate(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device) -
     temperature-1 answers (expected: sum over k of the product of sum_v min(p, q) of the first k passes)."""
     K, losses, tpf = cfg.ttt_steps, [], {True: [], False: []}
     agree, counted = torch.zeros(K), torch.zeros(K)
-    for idx in batches(corpus, corpus.split(heldout=True)[: cfg.eval_sequences], cfg, None):
+    held = corpus.split(heldout=True)
+    spread = held[:: max(1, len(held) // max(1, cfg.eval_sequences))][: cfg.eval_sequences]  # greedy and sampled alike
+    for idx in batches(corpus, spread, cfg, None):
         ids, lengths, starts = pad(corpus, idx, cfg.max_len, device)
         features, probs, top = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
         outs = head.ttt_forward(features, ids, K)
