@@ -28,6 +28,18 @@ GREEDY = SamplingConfig(temperature=0.0)
 GROUNDED = {"code edit", "rename", "summary", "document QA", "long repetitive answer"}
 
 
+PROMPT_SETS = {"examples": ROOT / "assets" / "examples.json", "open": ROOT / "benchmarks" / "open_prompts.json"}
+
+
+def load_prompt_set(name: str) -> list[dict]:
+    """[{"kind", "prompt", ...}]: the app's examples, or the hand-written open requests (96 tokens each, one
+    name per prompt: kind and number)."""
+    prompts = json.loads(PROMPT_SETS[name].read_text())
+    if name == "open":
+        prompts = [{**p, "kind": f"{p['kind']} {i}", "max_new_tokens": 96} for i, p in enumerate(prompts)]
+    return prompts
+
+
 def environment() -> dict:
     import transformers
 
@@ -87,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="override each prompt's own length")
     ap.add_argument("--gamma", default="auto")
     ap.add_argument("--only", nargs="*", help="prompt kinds to run (default: all)")
+    ap.add_argument("--prompt-set", default="examples", choices=sorted(PROMPT_SETS), help="the app's examples or the hand-written open requests")
+    ap.add_argument("--configs", nargs="*", help="engine rows to run, e.g. plain bandit fixed:draft_head (default: all)")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate() rows")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto = float32 on the CPU, bfloat16 on CUDA")
@@ -95,12 +109,13 @@ def main(argv=None) -> int:
     gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
 
     engine = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype)
-    prompts = json.loads((ROOT / "assets" / "examples.json").read_text())
+    prompts = load_prompt_set(args.prompt_set)
     if args.only:
         prompts = [p for p in prompts if p["kind"] in args.only]
     drafters = [n for n in engine.drafters if n != "no_draft"]
     configs = [("plain", dict(mode="plain")), ("bandit", dict(gamma=gamma))]
     configs += [(f"fixed:{d}", dict(gamma=gamma, drafters=[d])) for d in drafters]
+    configs = [c for c in configs if not args.configs or c[0] in args.configs or c[0] == "plain"]  # plain: the baseline
     hf = [] if args.no_hf else [("hf:generate", {}), ("hf:prompt_lookup_10", dict(prompt_lookup_num_tokens=10))]
 
     run_engine(engine, "Hello!", 8, args.seed)  # warm up allocators and the cost model
@@ -124,7 +139,7 @@ def main(argv=None) -> int:
 
     env = environment()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}" + (f"_{args.tag}" if args.tag else "")
+    stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}" + (f"_{args.prompt_set}" if args.prompt_set != "examples" else "") + (f"_{args.tag}" if args.tag else "")
     from flashspec_core.engine import paths
 
     env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine))

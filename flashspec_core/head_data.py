@@ -76,15 +76,31 @@ def end_of_turn(model) -> set[int]:
     return set(eos if isinstance(eos, list) else [eos])
 
 
-WIDTHS = (64, 128, 256, 512, 1024)  # prompt widths of the static path (each one shape, one compile on CUDA)
+WIDTHS = (128, 512)  # prompt widths of the static path: each one shape (one compile on CUDA); longer prompts are dropped
+
+
+class RowTemperature:
+    """A logits processor for greedy search that samples each row at its own temperature by the Gumbel-max
+    trick: argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T), and T = 0 leaves the row's
+    argmax exact. One generate() call thus serves greedy and sampled answers alike, with no multinomial."""
+
+    def __init__(self, temperatures: torch.Tensor):
+        self.t = temperatures[:, None].float()  # [B, 1]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float()
+        gumbel = -torch.log((-torch.log(torch.rand_like(scores).clamp_(1e-20, 1.0))).clamp_(min=1e-20))
+        return torch.where(self.t > 0, scores / self.t.clamp(min=1e-6) + gumbel, scores)
 
 
 @torch.inference_mode()
-def generate(model, tokenizer, texts: list[str], max_new: int, temperature: float, batch: int,
+def generate(model, tokenizer, texts: list[str], max_new: int, temperature, batch: int,
              static: bool = False) -> list[list[int]]:
-    """Continue each text (already in chat form); returns the new ids, cut after the first end-of-turn token.
-    Texts are batched by length. `static`: a static KV cache with every batch padded to `batch` rows and its
-    prompts to one of WIDTHS (longer prompts get no answer, []), so a large batch decodes at few shapes."""
+    """Continue each text (already in chat form) at its temperature (one float, or one per text; 0 = greedy);
+    returns the new ids, cut after the first end-of-turn token. Texts are batched by length. `static`: a static
+    KV cache with every batch padded to `batch` rows and its prompts to one of WIDTHS (longer prompts get no
+    answer, []), so a large batch decodes at two shapes."""
+    temps = [float(temperature)] * len(texts) if isinstance(temperature, (int, float)) else list(temperature)
     enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
     order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
     out: list[list[int]] = [[] for _ in enc]
@@ -98,15 +114,16 @@ def generate(model, tokenizer, texts: list[str], max_new: int, temperature: floa
         rows = batch if not static else max(8, min(batch, batch * 640 // (width + max_new)))
         chunk = [i for i in order[at:at + rows] if len(enc[i]) <= width or not static]
         at += len(chunk) if static else rows
-        for i, answer in zip(chunk, _generate_rows(model, [enc[i] for i in chunk], max_new, temperature,
-                                                   rows if static else 0, width if static else 0)):
+        answers = _generate_rows(model, [enc[i] for i in chunk], [temps[i] for i in chunk], max_new,
+                                 rows if static else 0, width if static else 0)
+        for i, answer in zip(chunk, answers):
             out[i] = answer
     return out
 
 
-def _generate_rows(model, rows: list[list[int]], max_new: int, temperature: float, batch: int, width: int):
-    """One generate() call over rows of prompt ids, left-padded to `width` and filled up to `batch` rows with
-    copies of the first (static shapes when both are set); out of GPU memory, the rows go in two halves."""
+def _generate_rows(model, rows: list[list[int]], temps: list[float], max_new: int, batch: int, width: int):
+    """One generate() call over rows of prompt ids, left-padded to `width` and filled up to `batch` greedy rows
+    with copies of the first (static shapes when both are set); out of GPU memory, the rows go in two halves."""
     eos = end_of_turn(model)
     pad = min(eos)
     n = len(rows)
@@ -114,20 +131,19 @@ def _generate_rows(model, rows: list[list[int]], max_new: int, temperature: floa
     width = max(width, max(map(len, full)))
     ids = torch.tensor([[pad] * (width - len(e)) + e for e in full], device=model.device)
     mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in full], device=model.device)
-    sampled = temperature > 0
+    t = torch.tensor(temps + [0.0] * (len(full) - n), device=model.device)
     try:
-        gen = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=sampled,
-                             temperature=temperature if sampled else None, top_p=1.0 if sampled else None,
-                             top_k=0 if sampled else None, pad_token_id=pad, eos_token_id=sorted(eos),
+        gen = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                             logits_processor=[RowTemperature(t)], pad_token_id=pad, eos_token_id=sorted(eos),
                              cache_implementation="static" if batch else None)
     except torch.OutOfMemoryError:
         if len(full) < 16:
             raise
         del ids, mask
         torch.cuda.empty_cache()
-        half = len(full) // 2
-        return [a for part in (rows[:half], rows[half:]) if part
-                for a in _generate_rows(model, part, max_new, temperature, half if batch else 0, width)]
+        half = (n + 1) // 2
+        return [a for part, pt in ((rows[:half], temps[:half]), (rows[half:], temps[half:])) if part
+                for a in _generate_rows(model, part, pt, max_new, len(full) // 2 if batch else 0, width)]
     out = []
     for row in gen[:n, width:].tolist():
         cut = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
@@ -135,7 +151,7 @@ def _generate_rows(model, rows: list[list[int]], max_new: int, temperature: floa
     return out
 
 
-def self_prompts(gen: "Gen", n: int, max_tokens: int = 96) -> list[str]:
+def self_prompts(gen: "Gen", n: int, max_tokens: int = 256) -> list[str]:
     """User turns the target writes itself after its system turn (temperature 1), cleaned and de-duplicated."""
     new = gen.continue_texts([gen.before] * n, max_tokens, 1.0)
     eos = end_of_turn(gen.model)
@@ -163,7 +179,7 @@ class Gen:
         """The target's answers to single user turns."""
         return self.continue_texts([self.before + u + self.after for u in users], max_new, temperature)
 
-    def continue_texts(self, texts: list[str], max_new: int, temperature: float) -> list[list[int]]:
+    def continue_texts(self, texts: list[str], max_new: int, temperature) -> list[list[int]]:
         out = generate(self.model, self.tokenizer, texts, min(max_new, self.max_new), temperature, self.batch, self.static)
         self.tokens += sum(map(len, out))
         return out
@@ -203,15 +219,16 @@ def broad_prompts(gen: Gen, sizes: dict[str, int], rng: random.Random, banned: l
 
 
 def answer_all(gen: Gen, jobs: list[tuple[Prompt, float]], max_new: int) -> tuple[Corpus, list]:
-    """Each (prompt, temperature) job answered; returns the corpus and the greedy (prompt, answer ids) pairs."""
-    corpus, firsts = Corpus([], [], [], []), []
-    for t in sorted({t for _, t in jobs}):
-        prompts = [p for p, u in jobs if u == t]
-        texts = [gen.before + p.text + gen.after for p in prompts]
-        answers = gen.continue_texts(texts, max_new, t)
-        add(corpus, gen.tokenizer, texts, answers, [is_heldout(p.kind, p.topic or p.text) for p in prompts], t == 0.0)
-        firsts += [(p, a) for p, a in zip(prompts, answers) if t == 0.0 and a]
-    return corpus, firsts
+    """Each (prompt, temperature) job answered, all in one pass; returns the corpus and the greedy (prompt,
+    answer ids) pairs."""
+    texts = [gen.before + p.text + gen.after for p, _ in jobs]
+    answers = gen.continue_texts(texts, max_new, [t for _, t in jobs])
+    corpus = Corpus([], [], [], [])
+    for greedy in (True, False):
+        part = [(text, a, p) for text, a, (p, t) in zip(texts, answers, jobs) if (t == 0.0) == greedy]
+        add(corpus, gen.tokenizer, [x[0] for x in part], [x[1] for x in part],
+            [is_heldout(p.kind, p.topic or p.text) for _, _, p in part], greedy)
+    return corpus, [(p, a) for (p, t), a in zip(jobs, answers) if t == 0.0 and a]
 
 
 def follow_ups(gen: Gen, firsts: list, n: int, max_new: int, rng: random.Random) -> Corpus:

@@ -45,7 +45,7 @@ class TrainConfig:
     static_gen: bool = True  # static KV cache, padded to fixed shapes
     gen_compile: bool = False  # let generate() compile the static decode step on CUDA (one compile per shape)
     sampled_fraction: float = 0.5  # prompts that also get a sampled answer (half at temperature 0.7, half at 1)
-    round_answers: int = 16384  # answers made between two corpus shards (and deadline checks)
+    round_answers: int = 49152  # answers made in one pass (all temperatures at once), then saved as shards
     draft_vocab: int = 16384  # rows of the head's output layer
     ttt_steps: int = 7  # draft passes unrolled per training step
     step_decay: float = 0.8  # loss weight of pass j: decay**j

@@ -64,3 +64,22 @@ def test_hand_written_prompts_are_banned_from_the_data():
     banned = banned_texts()
     assert all(excluded(p["prompt"], banned) for p in open_prompts)
     assert not excluded("Write a short story about a dragon who bakes bread.", banned)
+
+
+def test_row_temperature_samples_each_row_at_its_own_temperature():
+    """Gumbel-max: a T > 0 row follows softmax(logits / T) (chi-squared), a T = 0 row keeps its argmax exactly."""
+    import torch
+
+    from flashspec_core.head_data import RowTemperature
+
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    N = 40000
+    t = torch.tensor([1.0, 0.7] * (N // 2) + [0.0] * 16)
+    picks = RowTemperature(t)(None, logits.expand(len(t), -1).clone()).argmax(-1)
+    assert (picks[N:] == 0).all()
+    for temp in (1.0, 0.7):
+        got = torch.bincount(picks[:N][t[:N] == temp], minlength=5).float()
+        expected = (logits[0] / temp).softmax(-1) * got.sum()
+        chi2 = float(((got - expected) ** 2 / expected).sum())
+        assert chi2 < 18.5, (temp, chi2)  # 4 degrees of freedom, p = 0.001
