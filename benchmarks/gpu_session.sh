@@ -10,6 +10,8 @@
 #   p2:      stash GGUF part 2 (.carry/p2)
 #   headgo:  assemble the GGUF with part 3 (.carry/p3), start data + training in the background (TRAIN_ARGS), watch it
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
+#            (the export goes to /root/head_out, never to $OUT: its 29 MB model file cannot come back; the float32
+#            shards in $OUT/ckpt can, and `train_head --resume --train-minutes 0` exports them here)
 # The machine keeps /root between calls only while it stays warm (30 s): call the next phase at once.
 # Prepare the ignored .carry/ folder once (from the repository root):
 #   mkdir -p .carry/a .carry/b && G=$(python -c "from flashspec_core.models import embedded_gguf_path as p; print(p())")
@@ -80,14 +82,14 @@ p2)
   ls -la /root/stash ;;
 headgo)
   assemble3
-  setsid nohup python3 -m flashspec_core.train_head --ckpt /root/ckpt --out /root/out ${TRAIN_ARGS:-} > /root/train.log 2>&1 < /dev/null &
+  setsid nohup python3 -m flashspec_core.train_head --ckpt /root/ckpt --out /root/head_out ${TRAIN_ARGS:-} > /root/train.log 2>&1 < /dev/null &
   echo $! > /root/train.pid
   watch_run ${WATCH_S:-520} ;;
 watch)
   if watch_run ${WATCH_S:-520}; then
-    cp /root/train.log "$OUT/" && bring_back && cp /root/ckpt/*.json "$OUT/"
-    [ -n "${EVAL_ARGS:-}" ] && python3 -m benchmarks.head ${EVAL_ARGS} 2>&1 | grep -v -i "loading weights" | tee "$OUT/head_eval.log" | tail -40
-    cp benchmarks/results/head_* "$OUT/" 2>/dev/null
+    cp /root/train.log "$OUT/" && bring_back && cp /root/ckpt/corpus.json /root/ckpt/heldout_prompts.json "$OUT/"  # 8 files at most
+    [ -n "${EVAL_ARGS:-}" ] && python3 -m benchmarks.head ${EVAL_ARGS} 2>&1 | grep -v -i "loading weights" | tail -40
+    cp benchmarks/results/head_embedded_cuda*.json "$OUT/" 2>/dev/null
   fi ;;
 *) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, headgo or watch" >&2; exit 2 ;;
 esac
