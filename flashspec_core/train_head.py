@@ -313,7 +313,8 @@ def load_corpus(folder: Path, name: str = "corpus") -> Corpus:
 def export(head: DraftHead, meta: dict, out: Path) -> Path:
     """The shipped folder: EAGLE-3 config and bfloat16 weights (lm_head included), and the card."""
     card = {"what": "EAGLE-3 style draft head for " + meta["target"], **{k: meta[k] for k in (
-        "recipe", "sizes", "steps", "seed", "hardware", "heldout", "curve", "versions") if k in meta}}
+        "recipe", "sizes", "data", "init", "seconds", "train", "steps", "seed", "hardware", "heldout", "curve", "versions")
+        if k in meta}}
     return save_head(head, out, card)
 
 
@@ -433,7 +434,8 @@ def start_head(args, cfg: TrainConfig, model, corpus: Corpus, ckpt: Path, eos) -
     """The head to train: resumed from the checkpoint, or new (its trainable weights from `--init` if given)."""
     if args.resume:
         head, meta = load_checkpoint(ckpt, model)
-        meta["train"] = asdict(cfg)
+        if cfg.train_minutes > 0:  # an export-only call keeps the training run's settings
+            meta["train"] = asdict(cfg)
         return head, meta
     head = new_head(model, corpus, cfg, eos)
     if args.init:

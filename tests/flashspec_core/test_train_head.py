@@ -122,3 +122,21 @@ def test_checkpoint_and_export_load_back_and_draft_exactly(tiny, corpus, tmp_pat
     engine = Engine.from_models(model, [shipped], tokenizer=tokenizer)
     plain = engine.generate("Tell me about rivers.", 12, mode="plain").token_ids
     assert engine.generate("Tell me about rivers.", 12, drafters=["draft_head"], gamma=3).token_ids == plain
+
+
+def test_init_takes_a_shipped_heads_trainable_weights_whatever_its_vocabulary(tiny, corpus, tmp_path):
+    import argparse
+
+    from flashspec_core.train_head import start_head
+
+    model, _ = tiny
+    donor = new_head(model, corpus, CFG, [2])
+    with torch.no_grad():
+        donor.fc.weight.normal_()
+        donor.set_draft_vocab(donor.draft_ids.flip(0))  # another order of the draft ids
+    export(donor, {"target": "tiny"}, tmp_path / "donor")
+    args = argparse.Namespace(resume=False, init=str(tmp_path / "donor"))
+    head, meta = start_head(args, CFG, model, corpus, tmp_path, [2])
+    assert torch.equal(head.fc.weight, donor.fc.weight.to(torch.bfloat16).float())  # shipped in bfloat16
+    assert torch.equal(head.draft_ids, new_head(model, corpus, CFG, [2]).draft_ids)  # its own vocabulary
+    assert meta["init"] == str(tmp_path / "donor") and meta["curve"] == []
