@@ -1,13 +1,15 @@
 """Train the draft head (`flashspec_core.draft_head`) on one GPU by self-distillation, then ship it.
 
-    python -m flashspec_core.train_head --out assets/draft_head        # data + training + export, ~17 min on an H200
+    python -m flashspec_core.train_head --out assets/draft_head --init assets/draft_head --set total_minutes=21.5
 
-Stages, each resumable from the checkpoint folder `--ckpt`: (1) a corpus of prompts and answers made by the
-target itself (`flashspec_core.head_data`), saved as `corpus.safetensors`; (2) training with "training-time
+Stages, each resumable from the checkpoint folder `--ckpt`: (1) a corpus of broad prompts and the target's own
+answers (`flashspec_core.head_data`, `flashspec_core.prompt_bank`), saved round by round as uint16 shards
+`corpus-NNN.safetensors` under 15 MB, finished when `corpus.json` is written; (2) training with "training-time
 test": every step unrolls the K draft passes of inference (`DraftHead.ttt_forward`) and matches each pass's
 distribution to the target's own next-token distribution (cross-entropy over the draft vocabulary, pass j
-weighted decay**j); held-out loss and acceptance are logged as training goes (`curve.json`); the trainable
-weights are saved in float32 shards of at most 15 MB; (3) export: the EAGLE-3 folder (bfloat16) with a card.
+weighted decay**j); held-out loss and acceptance are logged as training goes (the curve in `meta.json`); the
+trainable weights are saved in float32 shards of at most 15 MB; (3) export: the EAGLE-3 folder (bfloat16) with
+a card. `--resume --train-minutes 0` exports a checkpoint.
 """
 from __future__ import annotations
 
