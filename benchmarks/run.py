@@ -203,8 +203,8 @@ def table(rows, env) -> str:
     for r in rows:
         peer = fmt(r["tok_per_s"] / llama[r["prompt"]], ".2f") + "x" if r["prompt"] in llama else "-"
         lines.append(f"| {r['prompt']} | {r['config']} | {r['tokens']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | {peer} | "
-                     f"{fmt(r['acceptance'], '.2f')} | {fmt(r['tokens_per_forward'], '.2f')} | "
-                     f"{fmt(r['draft_ms_per_token'], '.1f')} | {r['same_as_plain']} |")
+                     f"{fmt(r.get('acceptance'), '.2f')} | {fmt(r.get('tokens_per_forward'), '.2f')} | "
+                     f"{fmt(r.get('draft_ms_per_token'), '.1f')} | {r['same_as_plain']} |")
     return "\n".join(lines)
 
 
