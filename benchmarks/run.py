@@ -1,9 +1,14 @@
-"""Side-by-side decoding benchmark: own plain decoding, the bandit, each drafter fixed, and Hugging Face generate().
+"""Side-by-side decoding benchmark: own plain decoding, the bandit, each drafter fixed, Hugging Face generate(),
+and on request llama.cpp on the same GGUF file.
 
-    python -m benchmarks.run --preset embedded
+    python -m benchmarks.run --preset embedded [--precision gguf] [--float32-plain] [--peers llama.cpp]
 
 Every row runs the same prompt (assets/examples.json), seed and machine, greedy, one after the other.
-Writes JSON and CSV under benchmarks/results/ and prints a markdown table. Numbers, not assertions.
+`--peers llama.cpp` runs llama-cpp-python (not in requirements.txt) in its own interpreter
+(`--llama-python`, default $FLASHSPEC_LLAMA_PYTHON) on the same prompt token ids, threads and GGUF file,
+while this process waits. `--float32-plain` adds own plain decoding on the float32 path beside the
+precision under test. Writes JSON and CSV under benchmarks/results/ and prints a markdown table.
+Numbers, not assertions.
 """
 from __future__ import annotations
 
@@ -92,6 +97,29 @@ def run_hf(engine: Engine, prompt: str, max_new: int, **generate_kwargs) -> dict
             "pulls": None, "ids": new}
 
 
+def run_llama_cpp(python: str, engine: Engine, prompts: list[dict], max_new: dict[str, int], repeats: int) -> dict:
+    """llama.cpp's rows, {prompt kind: [run, ...]}, from benchmarks/llama_cpp_peer.py in `python`."""
+    from flashspec_core.models import embedded_gguf_path
+
+    runs = [{"ids": engine.encode(p["prompt"]), "max_new_tokens": max_new[p["kind"]]} for p in prompts] * repeats
+    request = {"gguf": str(embedded_gguf_path()), "threads": torch.get_num_threads(), "runs": runs,
+               "eos_ids": sorted(engine.eos_ids)}
+    done = subprocess.run([python, str(ROOT / "benchmarks" / "llama_cpp_peer.py")], input=json.dumps(request),
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"llama.cpp peer failed ({python}):\n{done.stderr[-2000:]}")
+    answer = json.loads(done.stdout)
+    out = {}
+    for p, r in zip(prompts * repeats, answer["results"]):
+        out.setdefault(p["kind"], []).append(r)
+    return {"version": answer["version"], "runs": out}
+
+
+def best(runs: list[dict]) -> dict:
+    """The median run by tok/s (the one reported when a row runs several times)."""
+    return sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="embedded")
@@ -104,11 +132,20 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate() rows")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto = float32 on the CPU, bfloat16 on CUDA")
+    ap.add_argument("--precision", default="auto", choices=["auto", "gguf", "float32"],
+                    help="the target's weights: auto = the GGUF file's own 4-bit weights on the CPU where it can")
+    ap.add_argument("--float32-plain", action="store_true", help="add own plain decoding on the float32 path")
+    ap.add_argument("--peers", nargs="*", default=[], choices=["llama.cpp"], help="other engines on the same file")
+    ap.add_argument("--llama-python", default=os.environ.get("FLASHSPEC_LLAMA_PYTHON", "python"),
+                    help="an interpreter with llama-cpp-python installed")
+    ap.add_argument("--repeats", type=int, default=1, help="run every row this many times; report the median")
     ap.add_argument("--tag", default="", help="a suffix for the result files (a variant beside the main run)")
     args = ap.parse_args(argv)
     gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
 
-    engine = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype)
+    engine = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision=args.precision)
+    float32 = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision="float32",
+                                 drafters=[]) if args.float32_plain else None
     prompts = load_prompt_set(args.prompt_set)
     if args.only:
         prompts = [p for p in prompts if p["kind"] in args.only]
@@ -118,19 +155,30 @@ def main(argv=None) -> int:
     configs = [c for c in configs if not args.configs or c[0] in args.configs or c[0] == "plain"]  # plain: the baseline
     hf = [] if args.no_hf else [("hf:generate", {}), ("hf:prompt_lookup_10", dict(prompt_lookup_num_tokens=10))]
 
+    max_news = {p["kind"]: args.max_new_tokens or p.get("max_new_tokens", 128) for p in prompts}
+    peers = {"llama.cpp": run_llama_cpp(args.llama_python, engine, prompts, max_news, args.repeats)} \
+        if "llama.cpp" in args.peers else {}
     run_engine(engine, "Hello!", 8, args.seed)  # warm up allocators and the cost model
+    if float32:
+        run_engine(float32, "Hello!", 8, args.seed)
     on_cuda = engine.target.device.type == "cuda"
     rows = []
     for p in prompts:
-        max_new = args.max_new_tokens or p.get("max_new_tokens", 128)
+        max_new = max_news[p["kind"]]
         if on_cuda:  # capture this prompt's CUDA graphs and compile kernels outside the timed runs
             run_engine(engine, p["prompt"], max_new, args.seed, gamma=gamma)
             if hf:
                 run_hf(engine, p["prompt"], 16)
         plain = None
-        for name, kw in configs + hf:
-            r = run_hf(engine, p["prompt"], max_new, **kw) if name.startswith("hf:") else run_engine(
-                engine, p["prompt"], max_new, args.seed, **kw)
+        extra = [("float32:plain", dict(mode="plain"))] if float32 else []
+        for name, kw in configs + extra + hf + [(f"{peer}:plain", {}) for peer in peers]:
+            if name in (f"{peer}:plain" for peer in peers):
+                r = best(peers[name.split(":")[0]]["runs"][p["kind"]])
+            elif name.startswith("hf:"):
+                r = best([run_hf(engine, p["prompt"], max_new, **kw) for _ in range(args.repeats)])
+            else:
+                lm = float32 if name.startswith("float32:") else engine
+                r = best([run_engine(lm, p["prompt"], max_new, args.seed, **kw) for _ in range(args.repeats)])
             plain = plain or r
             r.update(prompt=p["kind"], config=name, max_new_tokens=max_new,
                      speedup=r["tok_per_s"] / plain["tok_per_s"], same_as_plain=r["ids"] == plain["ids"])
@@ -142,7 +190,8 @@ def main(argv=None) -> int:
     stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}" + (f"_{args.prompt_set}" if args.prompt_set != "examples" else "") + (f"_{args.tag}" if args.tag else "")
     from flashspec_core.engine import paths
 
-    env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine))
+    env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine),
+               precision=engine.precision, peers={k: v["version"] for k, v in peers.items()}, repeats=args.repeats)
     payload = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
                "seed": args.seed, "gamma": gamma, "env": env, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2))
@@ -160,15 +209,17 @@ def main(argv=None) -> int:
 def table(rows, env) -> str:
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     where = env["cuda"] or f"{env['machine']}, {env['threads']} threads"
-    lines = [f"{where}, {env['dtype']}, {env['paths']['target']}, torch {env['torch']}, transformers {env['transformers']}, "
-             f"commit {env['commit']}", "",
-             "| prompt | config | tokens | tok/s | speedup vs own plain | acceptance | tokens/target forward | "
-             "draft ms/token | same ids as plain |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [f"{where}, precision {env.get('precision', env['dtype'])}, {env['paths']['target']}, torch {env['torch']}, "
+             f"transformers {env['transformers']}, commit {env['commit']}", "",
+             "| prompt | config | tokens | tok/s | speedup vs own plain | vs llama.cpp plain | acceptance | "
+             "tokens/target forward | draft ms/token | same ids as plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    llama = {r["prompt"]: r["tok_per_s"] for r in rows if r["config"] == "llama.cpp:plain"}
     for r in rows:
-        lines.append(f"| {r['prompt']} | {r['config']} | {r['tokens']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | "
-                     f"{fmt(r['acceptance'], '.2f')} | {fmt(r['tokens_per_forward'], '.2f')} | "
-                     f"{fmt(r['draft_ms_per_token'], '.1f')} | {r['same_as_plain']} |")
+        peer = fmt(r["tok_per_s"] / llama[r["prompt"]], ".2f") + "x" if r["prompt"] in llama else "-"
+        lines.append(f"| {r['prompt']} | {r['config']} | {r['tokens']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | {peer} | "
+                     f"{fmt(r.get('acceptance'), '.2f')} | {fmt(r.get('tokens_per_forward'), '.2f')} | "
+                     f"{fmt(r.get('draft_ms_per_token'), '.1f')} | {r['same_as_plain']} |")
     return "\n".join(lines)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from flashspec_core import Engine
 from flashspec_core.engine import NAMED_DRAFTERS
-from flashspec_core.models import PUBLIC, LoadPolicy, load_policy, parse_model_name, pick_device
+from flashspec_core.models import PRECISIONS, PUBLIC, LoadPolicy, load_policy, parse_model_name, pick_device
 from kernels import resolve_backend
 
 from components.background import on_engine_thread
@@ -39,8 +39,11 @@ class CacheConfig:
     policy: LoadPolicy = PUBLIC  # where models may come from (see flashspec_core.models)
     max_engines: int = 3  # engines kept loaded, the pinned default included
     max_gib: float = 8.0  # weights and buffers kept loaded; the engine loaded last always stays
+    precision: str = "auto"  # the targets' weights (flashspec_core.models.PRECISIONS): auto = the GGUF file's where it can
 
     def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; expected one of {list(PRECISIONS)}")
         if not isinstance(self.max_engines, int) or self.max_engines < 1:
             raise ValueError(f"max_engines must be an integer >= 1, got {self.max_engines!r}")
         if not self.max_gib > 0:
@@ -150,7 +153,8 @@ class EngineCache:
         with load_policy(self.config.policy):
             drafters = [d if d in NAMED_DRAFTERS else parse_model_name(d).name for d in spec.drafters]
             return Engine.from_pretrained(target=parse_model_name(spec.target).name, drafters=drafters,
-                                          kernel_backend=backend, progress=report, name=spec.name)
+                                          kernel_backend=backend, precision=self.config.precision, progress=report,
+                                          name=spec.name)
 
     def _evict(self, max_engines: int, max_bytes: float, keep: tuple | None = None) -> None:
         """Drop least recently used engines over the limits; never a pinned one, one in use, or `keep`."""

@@ -142,7 +142,8 @@ def run_stream(state: Session, prompt, example="", keep_rejected=False, progress
         return
     try:
         stream = open_stream(slot, prompt, settings)
-        yield {"tokens": EMPTY, "stream_stats": "&nbsp;", "arms_plot": arms_figure([]), "status": "Generating …"}
+        yield {"tokens": EMPTY, "stream_stats": "&nbsp;", "arms_plot": arms_figure([]),
+               "status": f"Generating … {precision_line(slot.engine)}".rstrip()}
         plotted = time.perf_counter()
         with closing(in_background(stream, TEXT_INTERVAL_S)) as updates:  # closed (worker joined) before unlocking
             for events, done in updates:
@@ -160,10 +161,19 @@ def run_stream(state: Session, prompt, example="", keep_rejected=False, progress
         return
     finally:
         slot.lock.release()
-    yield from finish_run(state, prompt, example, keep_rejected, settings, events, done)
+    yield from finish_run(state, prompt, example, keep_rejected, settings, events, done, precision_line(slot.engine))
 
 
-def finish_run(state: Session, prompt: str, example, keep_rejected: bool, settings: RunSettings, events, done):
+def precision_line(engine) -> str:
+    """Which weights the target runs on, for the status line ("" for an engine that does not say)."""
+    precision = getattr(engine, "precision", "")
+    if precision == "gguf":
+        return "target on its GGUF file's 4-bit weights"
+    return f"target in {precision}" if precision else ""
+
+
+def finish_run(state: Session, prompt: str, example, keep_rejected: bool, settings: RunSettings, events, done,
+               precision: str = ""):
     """The last updates of a Run: the final text and figure, and (when it finished) its runs-table row."""
     stats = summarize(events)
     state.last_events = events
@@ -177,7 +187,8 @@ def finish_run(state: Session, prompt: str, example, keep_rejected: bool, settin
     record = run_record(run, "speculative", settings.record(), stats, example_name(prompt, example))
     state.add(Run(record, prompt, tuple(events)))
     yield {**final, "stream_stats": stats_markdown(stats),
-           "status": f"Done ({run}): {stats['new_tokens']} tokens at {stats['tok_per_s']:.1f} tok/s.",
+           "status": f"Done ({run}): {stats['new_tokens']} tokens at {stats['tok_per_s']:.1f} tok/s"
+                     + (f", {precision}." if precision else "."),
            **table_updates(state)}
 
 

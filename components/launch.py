@@ -12,13 +12,14 @@ import argparse
 import os
 from pathlib import Path
 
-from flashspec_core.models import LoadPolicy
+from flashspec_core.models import PRECISIONS, LoadPolicy
 
 from components.engine_cache import CacheConfig
 
 LOCAL, ALL = "127.0.0.1", "0.0.0.0"
 ENV_FOLDERS, ENV_PICKLE = "FLASHSPEC_LOCAL_MODELS", "FLASHSPEC_ALLOW_PICKLE"
 ENV_MAX_ENGINES, ENV_MAX_GIB = "FLASHSPEC_MAX_ENGINES", "FLASHSPEC_MAX_ENGINE_GB"
+ENV_PRECISION = "FLASHSPEC_PRECISION"
 TRUE = ("1", "true", "yes", "on")
 
 
@@ -39,6 +40,9 @@ def parse_args(argv=None, environ=os.environ) -> argparse.Namespace:
                         help=f"loaded model pairs kept, the embedded default included (default 3, or {ENV_MAX_ENGINES})")
     parser.add_argument("--max-engine-gb", type=float, default=float(environ.get(ENV_MAX_GIB, 8)),
                         help=f"GiB of weights kept loaded; least recently used pairs go first (default 8, or {ENV_MAX_GIB})")
+    parser.add_argument("--precision", default=environ.get(ENV_PRECISION, "auto"), choices=list(PRECISIONS),
+                        help=f"the target's weights: gguf = the embedded model's own 4-bit file (CPU), float32 = "
+                             f"dequantised; auto = gguf where it can run (default, or {ENV_PRECISION})")
     args = parser.parse_args(argv)
     try:
         args.cache = cache_config(args, environ)
@@ -57,7 +61,8 @@ def cache_config(args: argparse.Namespace, environ=os.environ) -> CacheConfig:
             raise ValueError(f"--allow-local-models: {folder!r} is not an absolute path to a folder")
     pickle = args.allow_pickle or environ.get(ENV_PICKLE, "").strip().lower() in TRUE
     policy = LoadPolicy(local_roots=tuple(folders), allow_pickle=pickle)
-    return CacheConfig(policy=policy, max_engines=args.max_engines, max_gib=args.max_engine_gb)
+    return CacheConfig(policy=policy, max_engines=args.max_engines, max_gib=args.max_engine_gb,
+                       precision=getattr(args, "precision", "auto"))
 
 
 def server_name(host: str | None, share: bool, environ=os.environ) -> str:

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from flashspec_core.engine import PRESETS, Engine
+from flashspec_core.models import PRECISIONS
 from flashspec_core.sampling import SamplingConfig
 
 COLOURS = {"accepted": "\033[32m", "resampled": "\033[33m", "bonus": "\033[36m", "rejected": "\033[9;31m", "plain": ""}
@@ -25,6 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="speculative", choices=["speculative", "plain"])
     ap.add_argument("--bandit", default="ucb1", choices=["ucb1", "thompson", "window"])
     ap.add_argument("--backend", default="auto", choices=["torch", "triton", "auto"])
+    ap.add_argument("--precision", default="auto", choices=list(PRECISIONS),
+                    help="the target's weights: gguf = the embedded model's own 4-bit file (CPU), float32 = "
+                         "dequantised; auto = gguf where it can run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-color", action="store_true", help="plain text, no ANSI colours")
     args = ap.parse_args(argv)
@@ -33,9 +37,12 @@ def main(argv=None) -> int:
         sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
         if args.target:
             engine = Engine.from_pretrained(args.target, args.drafters or ["prompt_lookup", "ngram_cache"],
-                                            kernel_backend=args.backend, bandit=args.bandit, progress=_progress)
+                                            kernel_backend=args.backend, bandit=args.bandit, precision=args.precision,
+                                            progress=_progress)
         else:
-            engine = Engine.from_preset(args.preset, kernel_backend=args.backend, bandit=args.bandit, progress=_progress)
+            engine = Engine.from_preset(args.preset, kernel_backend=args.backend, bandit=args.bandit,
+                                        precision=args.precision, progress=_progress)
+        _progress(f"target precision: {engine.precision} ({engine.target.path})")
         events = []
         for event in engine.stream(args.prompt, args.max_new_tokens, sampling, gamma=gamma, mode=args.mode, seed=args.seed):
             events.append(event)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashspec_core.fast_path import linear
+from flashspec_core.gguf_weights import Int8Weight, int8_rows
 
 CONFIG_FILE, WEIGHTS_FILE, CARD_FILE = "config.json", "model.safetensors", "card.json"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -122,6 +123,7 @@ class DraftHead(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.embed = embed.detach()  # the target's (shared storage); not a parameter, not in the state dict
         self.columns = False  # inference on the CPU: "columns" products for a few tokens (see fast_path.linear)
+        self.int8: dict[nn.Linear, Int8Weight] = {}  # inference only: products through int8 weights (`pack_int8`)
         D = cfg.head_dim
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -133,6 +135,7 @@ class DraftHead(nn.Module):
         ids = draft_ids.to(torch.int64).to(self.d2t.device)
         if ids.numel() != self.cfg.draft_vocab_size or ids.unique().numel() != ids.numel():
             raise ValueError(f"need {self.cfg.draft_vocab_size} distinct draft ids, got {ids.numel()}")
+        self.int8 = {}
         with torch.no_grad():
             self.lm_head.weight.copy_(self.embed[ids.to(self.embed.device)].to(self.lm_head.weight))
             self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
@@ -145,8 +148,20 @@ class DraftHead(nn.Module):
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     # -- the layer, in pieces shared by both forwards -----------------------------------------------
+    def pack_int8(self) -> None:
+        """Run every product (the output layer included) through int8 weights with one scale per row, for inference
+        on the CPU with bfloat16 weights: a head step then costs about half as much (a drafter need not be exact:
+        verification keeps the output exact). Training ignores it; `set_draft_vocab` drops it."""
+        if next(self.parameters()).dtype != torch.bfloat16:
+            raise ValueError("pack_int8 runs with bfloat16 activations: load the head in torch.bfloat16")
+        layer = self.midlayer
+        linears = (self.fc, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                   layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, self.lm_head)
+        self.int8 = {m: int8_rows(m.weight.detach()) for m in linears}
+
     def _linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, layer.weight, None, self.columns)
+        packed = self.int8.get(layer)
+        return linear(x, layer.weight if packed is None else packed, None, self.columns)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's aux features [..., F] -> the head's hidden size [..., H] (`fc`)."""
@@ -187,6 +202,9 @@ class DraftHead(nn.Module):
     def logits(self, h: torch.Tensor, limit: int | None = None) -> torch.Tensor:
         """Pre-norm output [..., H] -> logits over the draft vocabulary [..., draft V], or over its first
         `limit` ids (the most frequent ones, for a cheaper step)."""
+        packed = self.int8.get(self.lm_head)
+        if packed is not None:
+            return linear(self.norm(h), Int8Weight(packed.values[:limit], packed.scales[:limit]))
         return linear(self.norm(h), self.lm_head.weight[:limit], None, self.columns)
 
     # -- inference ----------------------------------------------------------------------------------
@@ -338,4 +356,7 @@ def load_head(folder: Path, target_config, embed: torch.Tensor, device=None, dty
     if missing or unexpected:
         raise HeadMismatchError(f"draft head in {folder.name}/ does not match its config: missing {missing[:3]}, "
                                 f"unexpected {unexpected[:3]}")
-    return head.to(device=device or embed.device, dtype=dtype).eval()
+    inv_freq = head.inv_freq  # rotary frequencies stay float32 whatever the weights' dtype
+    head = head.to(device=device or embed.device, dtype=dtype).eval()
+    head.inv_freq = inv_freq.to(head.inv_freq.device)
+    return head

