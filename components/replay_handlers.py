@@ -34,6 +34,7 @@ PAGE_SPANS = 2_000  # tokens on the replay pane at once; a longer run shows the 
 MAX_PLAY_S = 300.0  # one Play lasts at most this long; Play again goes on
 MAX_UNREAD = 50  # updates a client left unread: beyond this, it is gone and its replay stops
 POLL_S = 0.25  # how often a waiting replay looks at the Pause button
+KEEPALIVE_S = 1.0  # while a round is not due, an update this often anyway (so an unread stream shows)
 MAX_FILE_BYTES = 10 << 20  # as app.py's max_file_size
 
 
@@ -141,7 +142,7 @@ def replay_play(state: Session, replay_pick, replay_speed, request=None) -> Iter
         return
     if state.replay_shown >= len(run):
         state.replay_shown = 0
-    state.replay_paused, pane, note = False, Pane(run), ""
+    state.replay_paused, pane, note, sent = False, Pane(run), "", 0.0
     times, t0, plotted = play_times(run, state.replay_shown, speed), time.perf_counter(), time.perf_counter()
     due = next(times, None)
     while due is not None and not state.replay_paused:
@@ -154,6 +155,10 @@ def replay_play(state: Session, replay_pick, replay_speed, request=None) -> Iter
             state.replay_paused = True
             return
         if due > now:
+            if now - sent >= KEEPALIVE_S:  # nothing new (gradio sends an empty change), but it counts as unread
+                sent = now
+                yield {"replay_position": position(len(run), state.replay_shown,
+                                                   run.new_tokens[state.replay_shown - 1] if state.replay_shown else 0)}
             time.sleep(min(due - now, POLL_S))
             continue
         while due is not None and due <= now:
@@ -162,6 +167,7 @@ def replay_play(state: Session, replay_pick, replay_speed, request=None) -> Iter
         plot = time.perf_counter() - plotted >= PLOT_INTERVAL_S or due is None
         plotted = time.perf_counter() if plot else plotted
         yield frame(run, state.replay_shown, plot, pane)
+        sent = time.perf_counter() - t0
         time.sleep(FRAME_INTERVAL_S)
     last = frame(run, state.replay_shown, pane=pane)
     yield {**last, "replay_position": last["replay_position"] + note, "state": state}

@@ -62,6 +62,7 @@ def bind(handler, ui: dict, inputs: list[str], outputs: list[str] = ()):
     if "request" in extras:
         params.append(inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=gr.Request))
     callback.__signature__ = inspect.Signature(params)
+    callback.__annotations__ = {"request": gr.Request} if "request" in extras else {}  # gradio reads the hint here
     callback.__name__ = callback.__qualname__ = handler.__name__
     callback.__doc__ = handler.__doc__
     return callback
