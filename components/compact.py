@@ -118,27 +118,29 @@ class CompactRun:
     def round_spans(self, i: int) -> tuple[int, int]:
         return (self.span_end[i - 1] if i else 0), self.span_end[i]
 
-    def event(self, i: int) -> RoundEvent:
-        spans = self.spans(*self.round_spans(i))
-        lo, hi = (self.arm_end[i - 1] if i else 0), self.arm_end[i]
-        arms = tuple(ArmState(self.names[self.arm[j]], self.counts[2 * j], self.counts[2 * j + 1], self.scores[2 * j],
-                              self.scores[2 * j + 1]) for j in range(lo, hi))
-        ids = {kind: [s.id for s in spans if s.kind == kind] for kind in KINDS}
-        n = self.accepted[i]
-        last = spans[-1] if spans and spans[-1].kind in ("resampled", "bonus", "plain") else None
-        kept = [s.id for s in spans if s.kind != "rejected"]
+    def event(self, i: int, spans: bool = True) -> RoundEvent:
+        """Round i; spans=False leaves its spans (and text) out, the ids stay: cheaper, for the bandit figure."""
+        a, b = self.round_spans(i)
+        kinds, ids = [KINDS[k] for k in self.kind[a:b]], list(self.token[a:b])
+        last = kinds[-1] if kinds and kinds[-1] in ("resampled", "bonus", "plain") else None
+        pieces = self.spans(a, b) if spans else []
         draft_s, verify_s, round_s, elapsed_s = self.seconds[4 * i:4 * i + 4]
         return RoundEvent(
             index=i, mode=MODES[self.mode[i]], drafter=self.names[self.drafter[i]], gamma=self.gamma[i],
-            accepted=tuple(kept[:n]), rejected=tuple(ids["rejected"]),
-            resampled=last.id if last is not None and last.kind == "resampled" else None,
-            bonus=last.id if last is not None and last.kind != "resampled" else None, spans=tuple(spans),
-            text="".join(s.text for s in spans if s.kind != "rejected"), draft_s=draft_s, verify_s=verify_s,
-            round_s=round_s, elapsed_s=elapsed_s, new_tokens=self.new_tokens[i], arms=arms,
-            finished=FINISHED[self.finished[i]], prefill_s=self.prefill_s)
+            accepted=tuple(t for t, k in zip(ids, kinds) if k != "rejected")[:self.accepted[i]],
+            rejected=tuple(t for t, k in zip(ids, kinds) if k == "rejected"),
+            resampled=ids[-1] if last == "resampled" else None, bonus=ids[-1] if last in ("bonus", "plain") else None,
+            spans=tuple(pieces), text="".join(s.text for s in pieces if s.kind != "rejected"), draft_s=draft_s,
+            verify_s=verify_s, round_s=round_s, elapsed_s=elapsed_s, new_tokens=self.new_tokens[i],
+            arms=self.event_arms(i), finished=FINISHED[self.finished[i]], prefill_s=self.prefill_s)
 
-    def events(self, indices) -> list[RoundEvent]:
-        return [self.event(i) for i in indices]
+    def event_arms(self, i: int) -> tuple[ArmState, ...]:
+        lo, hi = (self.arm_end[i - 1] if i else 0), self.arm_end[i]
+        return tuple(ArmState(self.names[self.arm[j]], self.counts[2 * j], self.counts[2 * j + 1], self.scores[2 * j],
+                              self.scores[2 * j + 1]) for j in range(lo, hi))
+
+    def events(self, indices, spans: bool = True) -> list[RoundEvent]:
+        return [self.event(i, spans) for i in indices]
 
     def stats(self, shown: int) -> dict:
         """The headline stats after `shown` rounds: what flashspec_core.engine.summarize gives (without pulls)."""

@@ -3,7 +3,7 @@ at a fraction of its real pace, pause, step one round per click, or restart. Sam
 handlers (components.handlers); no torch work, so replays never wait for the engine.
 
 Playing is paced here, on the server, and bounded: a round waits at most MAX_ROUND_WAIT_S, a Play lasts at most
-MAX_PLAY_S, at most ~10 updates a second go out and each only appends to the text (see components.tokens.
+MAX_PLAY_S, at most 4 updates a second go out and each only appends to the text (see components.tokens.
 replay_page), the bandit figure is redrawn every PLOT_INTERVAL_S over at most PLOT_ROUNDS rounds, and a stream
 whose client stops reading is dropped.
 """
@@ -27,12 +27,12 @@ from components.tokens import EMPTY, replay_page, round_group, stats_markdown
 
 log = logging.getLogger(__name__)
 
-FRAME_INTERVAL_S = 0.1  # at most this often a new frame while playing
+FRAME_INTERVAL_S = 0.25  # at most this often a new frame while playing
 PLOT_INTERVAL_S = 2.0  # the bandit figure, less often (always on the last frame)
 PLOT_ROUNDS = 300  # the replay's bandit figure shows at most this many rounds (every n-th, the last included)
 PAGE_SPANS = 2_000  # tokens on the replay pane at once; a longer run shows the page of its latest round
 MAX_PLAY_S = 300.0  # one Play lasts at most this long; Play again goes on
-MAX_UNREAD = 50  # updates a client left unread: beyond this, it is gone and its replay stops
+MAX_UNREAD = 20  # updates a client left unread: beyond this, it is gone and its replay stops
 POLL_S = 0.25  # how often a waiting replay looks at the Pause button
 KEEPALIVE_S = 1.0  # while a round is not due, an update this often anyway (so an unread stream shows)
 MAX_FILE_BYTES = 10 << 20  # as app.py's max_file_size
@@ -42,7 +42,7 @@ class Pane:
     """The replay text of one run, built a round at a time: a page of round groups that only grows while playing."""
 
     def __init__(self, run: CompactRun):
-        self.run, self.first, self.upto, self.groups = run, -1, 0, []
+        self.run, self.first, self.upto, self.body = run, -1, 0, ""
 
     def page_start(self, shown: int) -> int:
         """The first round of the page that holds round shown - 1 (pages of PAGE_SPANS tokens)."""
@@ -55,17 +55,17 @@ class Pane:
             return EMPTY
         first = self.page_start(shown)
         if first != self.first or shown < self.upto:
-            self.first, self.upto, self.groups = first, first, []
-        self.groups += [round_group(e) for e in self.run.events(range(self.upto, shown))]
+            self.first, self.upto, self.body = first, first, ""
+        self.body += "".join(round_group(e) for e in self.run.events(range(self.upto, shown)))
         self.upto = shown
         skipped_tokens = self.run.new_tokens[first - 1] if first else 0
-        return replay_page("".join(self.groups), first, skipped_tokens, done=shown == len(self.run))
+        return replay_page(self.body, first, skipped_tokens, done=shown == len(self.run))
 
 
 def replay_figure(run: CompactRun, shown: int):
     step = -(-shown // PLOT_ROUNDS) if shown else 1
     rounds = sorted({*range(0, shown, step), shown - 1}) if shown else []
-    return arms_figure(run.events(rounds), run.record.get("bandit") or "", pulls=run.pulls(shown))
+    return arms_figure(run.events(rounds, spans=False), run.record.get("bandit") or "", pulls=run.pulls(shown))
 
 
 def frame(run: CompactRun, shown: int, plot: bool = True, pane: Pane | None = None) -> dict:
