@@ -4,8 +4,9 @@
                   [--allow-local-models FOLDER ...] [--allow-pickle] [--max-engines N] [--max-engine-gb GB]
 
 Runs (Run and Race) share one gradio concurrency group with concurrency_limit=1, so they queue one after the
-other; each also holds its engine's lock for its whole length (components.engine_cache). Replays have a group of
-their own (a few at once, each bounded in time: components.replay_handlers). Their inputs reach the handlers
+other; each also holds its engine's lock for its whole length (components.engine_cache). Loading a run file
+takes its turn in that group too; replays have a group of their own (a few at once, each bounded in time:
+components.replay_handlers). Their inputs reach the handlers
 raw (preprocess=False) and are checked there, so API callers get the same short messages as the page. The queue
 holds at most MAX_QUEUE events, MAX_WAITING_PER_CLIENT of them from one client. Sessions keep their own runs in a
 gr.State, whose files go when gradio deletes it.
@@ -40,6 +41,8 @@ RACE_OUTPUTS = ["a_title", "a_tokens", "a_stats", "b_title", "b_tokens", "b_stat
 REPLAY_OUTPUTS = ["replay_tokens", "replay_stats", "replay_position", "replay_arms", "state"]
 RUNS = dict(concurrency_limit=1, concurrency_id="engine", preprocess=False)  # one run at a time, app-wide
 REPLAYS = dict(concurrency_limit=4, concurrency_id="replay")  # no torch: a few sessions may replay at once
+LOADS = dict(concurrency_limit=1, concurrency_id="engine")  # checking a run file (~2 s of Python for 10 MB) would
+# slow a run on the same cores tenfold (they contend for the GIL): loads take turns with runs instead
 SESSION_TTL_S = 3 * 3600  # a session's state (and files) go after this long without an update
 GRADIO_CACHE = (60, 180)  # every minute, delete gradio's temporary files (uploads never loaded) older than 3 min
 MAX_QUEUE, MAX_WAITING_PER_CLIENT = 64, 8  # events waiting in the queue: in all, from one client
@@ -95,7 +98,7 @@ def wire_replay(ui: dict) -> None:
     wire(ui["replay_play"].click, replay_handlers.replay_play, ui, [*pick, "replay_speed"], REPLAY_OUTPUTS,
          preprocess=False, **REPLAYS)
     wire(ui["replay_upload"].upload, replay_handlers.replay_load, ui, ["state", "replay_upload"],
-         [*REPLAY_OUTPUTS, "replay_pick"])
+         [*REPLAY_OUTPUTS, "replay_pick"], **LOADS)
 
 
 def build_app(zero_gpu: bool = False) -> gr.Blocks:

@@ -44,9 +44,9 @@ def bind(handler, ui: dict, inputs: list[str], outputs: list[str] = ()):
         named.update(zip(extras, args[len(inputs):]))
         return handler(**named)
 
-    def components(update: dict) -> dict:
-        if not update and outputs:
-            return {ui[outputs[0]]: gr.skip()}
+    def components(update: dict) -> dict | None:
+        if not update:  # gradio reads an empty dict as one (missing) value
+            return {ui[outputs[0]]: gr.skip()} if outputs else None
         return {ui[name]: value for name, value in update.items()}
 
     if inspect.isgeneratorfunction(handler):
