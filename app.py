@@ -4,9 +4,12 @@
                   [--allow-local-models FOLDER ...] [--allow-pickle] [--max-engines N] [--max-engine-gb GB]
 
 Runs (Run and Race) share one gradio concurrency group with concurrency_limit=1, so they queue one after the
-other; each also holds its engine's lock for its whole length (components.engine_cache). Their inputs reach
-the handlers raw (preprocess=False) and are checked there, so API callers get the same short messages as the
-page. Sessions keep their own runs in a gr.State, whose files go when gradio deletes it.
+other; each also holds its engine's lock for its whole length (components.engine_cache). Loading a run file
+takes its turn in that group too; replays have a group of their own (a few at once, each bounded in time:
+components.replay_handlers). Their inputs reach the handlers
+raw (preprocess=False) and are checked there, so API callers get the same short messages as the page. The queue
+holds at most MAX_QUEUE events, MAX_WAITING_PER_CLIENT of them from one client. Sessions keep their own runs in a
+gr.State, whose files go when gradio deletes it.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from components import engine_cache, handlers, replay_handlers
 from components.arms import build_arms
 from components.exports import FOLDERS
 from components.launch import parse_args, server_name
+from components.queue_limits import limit_per_client
 from components.prompt import ASSETS, build_prompt
 from components.race import build_race
 from components.replay import build_replay
@@ -36,9 +40,12 @@ RACE_OUTPUTS = ["a_title", "a_tokens", "a_stats", "b_title", "b_tokens", "b_stat
                 *SHARED]
 REPLAY_OUTPUTS = ["replay_tokens", "replay_stats", "replay_position", "replay_arms", "state"]
 RUNS = dict(concurrency_limit=1, concurrency_id="engine", preprocess=False)  # one run at a time, app-wide
-REPLAYS = dict(concurrency_limit=8, concurrency_id="replay")  # no torch: several sessions may replay at once
+REPLAYS = dict(concurrency_limit=4, concurrency_id="replay")  # no torch: a few sessions may replay at once
+LOADS = dict(concurrency_limit=1, concurrency_id="engine")  # checking a run file (~2 s of Python for 10 MB) would
+# slow a run on the same cores tenfold (they contend for the GIL): loads take turns with runs instead
 SESSION_TTL_S = 3 * 3600  # a session's state (and files) go after this long without an update
-GRADIO_CACHE = (600, 3600)  # every 10 min, delete gradio's temporary files (uploads) older than an hour
+GRADIO_CACHE = (60, 180)  # every minute, delete gradio's temporary files (uploads never loaded) older than 3 min
+MAX_QUEUE, MAX_WAITING_PER_CLIENT = 64, 8  # events waiting in the queue: in all, from one client
 
 
 def layout() -> dict:
@@ -91,7 +98,7 @@ def wire_replay(ui: dict) -> None:
     wire(ui["replay_play"].click, replay_handlers.replay_play, ui, [*pick, "replay_speed"], REPLAY_OUTPUTS,
          preprocess=False, **REPLAYS)
     wire(ui["replay_upload"].upload, replay_handlers.replay_load, ui, ["state", "replay_upload"],
-         [*REPLAY_OUTPUTS, "replay_pick"])
+         [*REPLAY_OUTPUTS, "replay_pick"], **LOADS)
 
 
 def build_app(zero_gpu: bool = False) -> gr.Blocks:
@@ -109,7 +116,9 @@ def main(argv=None) -> None:
         threading.Thread(target=engine_cache.preload, args=(resolve_pair(DEFAULT_PAIR),),
                          kwargs=dict(warm=not on_zero_gpu()), daemon=True).start()
     gr.set_static_paths([FOLDERS.root])  # exports are served from the sessions' folders, not copied
-    build_app(on_zero_gpu()).queue(default_concurrency_limit=1).launch(
+    demo = build_app(on_zero_gpu()).queue(default_concurrency_limit=1, max_size=MAX_QUEUE)
+    limit_per_client(demo, MAX_WAITING_PER_CLIENT)
+    demo.launch(
         server_name=server_name(args.host, args.share), server_port=args.port, share=args.share,
         css_paths=[ASSETS / "app.css"], footer_links=["api", "gradio", "settings"], max_file_size="10mb")
 

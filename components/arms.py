@@ -13,18 +13,19 @@ import plotly.graph_objects as go
 
 from flashspec_core import RoundEvent
 
-from components.figures import figure
+from components.figures import figure, plot_text
 
 PALETTE = ("#2563eb", "#16a34a", "#d97706", "#9333ea", "#dc2626", "#0891b2", "#64748b")
 HEIGHT = 430
 
 
 def arm_order(events: list[RoundEvent]) -> list[str]:
-    """The bandit's arms in its own order; without a bandit, the drafters used, in order of first use."""
+    """The bandit's arms in its own order; without a bandit, the drafters used, in order of first use (escaped for
+    plotly, like every name shown in the figure)."""
     for e in events:
         if e.arms:
-            return [a.name for a in e.arms]
-    return list(dict.fromkeys(e.drafter for e in events))
+            return [plot_text(a.name) for a in e.arms]
+    return list(dict.fromkeys(plot_text(e.drafter) for e in events))
 
 
 def arm_colors(names: list[str]) -> dict[str, str]:
@@ -36,16 +37,19 @@ def finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def arms_figure(events: list[RoundEvent], strategy: str = "") -> go.Figure:
+def arms_figure(events: list[RoundEvent], strategy: str = "", pulls: dict[str, int] | None = None) -> go.Figure:
+    """The figure after `events` (a replay of a long run passes every n-th round, its last included, and the
+    rounds per drafter as `pulls`)."""
     names = arm_order(events)
     colors = arm_colors(names)
     last = events[-1].arms if events else ()
     if last:
-        pulls = {a.name: a.pulls for a in last}
-        hover = {a.name: f"mean reward {a.mean:.3f} over {a.observations} observations<br>score "
+        pulls = {plot_text(a.name): a.pulls for a in last}
+        hover = {plot_text(a.name): f"mean reward {a.mean:.3f} over {a.observations} observations<br>score "
                          f"{'untried (+inf)' if not math.isfinite(a.score) else f'{a.score:.3f}'}" for a in last}
     else:
-        pulls = {n: sum(e.drafter == n for e in events) for n in names}
+        pulls = {plot_text(k): v for k, v in pulls.items()} if pulls is not None else \
+            {n: sum(plot_text(e.drafter) == n for e in events) for n in names}
         hover = {n: "single drafter: no bandit" for n in names}
     data = [dict(type="bar", orientation="h", y=names, x=[pulls[n] for n in names],
                  marker=dict(color=[colors[n] for n in names]), text=[str(pulls[n]) for n in names], textposition="auto",
@@ -58,13 +62,13 @@ def arms_figure(events: list[RoundEvent], strategy: str = "") -> go.Figure:
         data.append(dict(type="scatter", mode="lines", x=rounds, y=scores, name=n, line=dict(color=colors[n]),
                          legendgroup=n, xaxis="x2", yaxis="y2"))
     for n in names:
-        mine = [e for e in events if e.drafter == n]
+        mine = [e for e in events if plot_text(e.drafter) == n]
         data.append(dict(type="scatter", mode="markers", x=[e.index for e in mine], y=[n] * len(mine),
                          marker=dict(color=colors[n], size=[6 + 2 * len(e.emitted) for e in mine], opacity=0.8),
                          text=[f"K={e.gamma}, accepted {len(e.accepted)}, emitted {len(e.emitted)}" for e in mine],
                          hoverinfo="x+y+text", showlegend=False, legendgroup=n, xaxis="x3", yaxis="y3"))
-    untried = [a.name for a in last if not math.isfinite(a.score)]
-    title = "score" + (f" ({strategy})" if strategy else "") + (f"; untried: {', '.join(untried)}" if untried else "")
+    untried = [plot_text(a.name) for a in last if not math.isfinite(a.score)]
+    title = "score" + (f" ({plot_text(strategy)})" if strategy else "") + (f"; untried: {', '.join(untried)}" if untried else "")
     heading = dict(xref="paper", yref="paper", showarrow=False, font=dict(size=12), xanchor="left")
     categories = dict(type="category", categoryorder="array", categoryarray=names[::-1])
     layout = dict(

@@ -25,8 +25,8 @@ from components.arms import arms_figure
 from components.background import in_background
 from components.prompt import READY, example_by_name, load_examples
 from components.race import WAITING, race_summary, same_tokens, speedup, tokens_over_time_figure, why_different
-from components.runs import Run, run_record, runs_frame
-from components.session import Session
+from components.runs import DOWNLOADS, Run, run_record, runs_frame
+from components.session import ExportRefused, Session
 from components.settings import (CUSTOM, LEGS, RunSettings, arm_names, parse_leg, parse_prompt, parse_settings,
                                  resolve_pair, role_choices)
 from components.tokens import EMPTY, stats_markdown, tokens_html
@@ -64,20 +64,24 @@ def failure(e: BaseException) -> dict:
 
 def table_updates(state: Session) -> dict:
     """The runs table, its two downloads and the replay picker, after the session's runs changed."""
-    files = {"download_csv": gr.update(value=None, interactive=False),
-             "download_json": gr.update(value=None, interactive=False)}
+    off = {"value": None, "interactive": False}
+    files = {"download_csv": gr.update(**off, label=DOWNLOADS[0]), "download_json": gr.update(**off, label=DOWNLOADS[1])}
     if state.runs:
-        csv, js = state.exports()
-        files = {"download_csv": gr.update(value=str(csv), interactive=True),
-                 "download_json": gr.update(value=str(js), interactive=True)}
+        try:
+            csv, js = state.exports()
+            files = {"download_csv": gr.update(value=str(csv), interactive=True, label=DOWNLOADS[0]),
+                     "download_json": gr.update(value=str(js), interactive=True, label=DOWNLOADS[1])}
+        except ExportRefused as e:  # the downloads stay off and say why
+            files = {name: gr.update(**off, label=f"{label} (not saved: {e})")
+                     for name, label in zip(("download_csv", "download_json"), DOWNLOADS)}
     return {"runs_table": runs_frame([r.record for r in state.runs]), **files, "state": state,
             "replay_pick": replay_choices(state)}
 
 
 def replay_choices(state: Session, value: str | None = None):
-    runs = state.replayable()
-    value = value if value is not None else (runs[0].name if runs else None)
-    return gr.update(choices=[(r.label(), r.name) for r in runs], value=value)
+    choices = state.choices()
+    value = value if value is not None else (choices[0][1] if choices else None)
+    return gr.update(choices=choices, value=value)
 
 
 def example_name(prompt: str, example) -> str:
@@ -269,7 +273,8 @@ def show_rejected(state: Session, keep_rejected) -> dict:
 
 
 def clear_runs(state: Session) -> dict:
-    state.runs.clear()
+    """Forget the session's runs and delete its exported files."""
+    state.clear()
     return {**table_updates(state), "status": READY}
 
 
@@ -281,11 +286,12 @@ def pick_example(example) -> dict:
 
 
 def pair_updates(pair, prefix: str = "") -> dict:
-    """Show the free-text ids for a custom pair; offer the drafters the pair has, all ticked."""
+    """Show the free-text ids for a custom pair; offer the drafters the pair has, all ticked. An unknown pair (only
+    an API caller can send one) gets a short error."""
     try:
         spec = None if pair == CUSTOM else resolve_pair(pair)
-    except ValueError:
-        return {}
+    except ValueError as e:
+        raise gr.Error(str(e)[:300], print_exception=False) from None
     choices = role_choices(spec)
     return {prefix + "custom_row": gr.update(visible=spec is None),
             prefix + "roles": gr.update(choices=choices, value=[value for _, value in choices])}

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 
 from flashspec_core import RoundEvent
 
-from components.figures import figure
+from components.figures import figure, plot_text
 from components.settings import LEGS, RunSettings, build_leg
 from components.tokens import EMPTY
 
@@ -38,9 +38,11 @@ def why_different(a: RunSettings, b: RunSettings) -> str:
     changed = [name for name, x, y in (("mode", a.mode, b.mode), ("drafters", a.roles, b.roles),
                                        ("gamma", a.gamma, b.gamma), ("bandit", a.bandit, b.bandit),
                                        ("model pair", a.pair, b.pair), ("backend", a.backend, b.backend)) if x != y]
-    what = ", ".join(changed) if changed else "the bandit's choices (they follow measured times)"
-    return (f"sampling with different {what} is still exact but not identical: each leg is an exact sample of the "
-            "target's distribution, and the seed's random numbers are used in a different order.")
+    if not changed:
+        return ("the two configurations are the same, so the tokens should be too (costs are measured once per "
+                "engine, not per run); the server's log may say more.")
+    return (f"sampling with different {', '.join(changed)} is still exact but not identical: each leg is an exact "
+            "sample of the target's distribution, and the seed's random numbers are used in a different order.")
 
 
 def race_summary(a: dict, b: dict, identical: bool | None, reason: str = "") -> str:
@@ -62,7 +64,7 @@ def tokens_over_time_figure(legs: dict[str, list[RoundEvent]], names: dict[str, 
     for leg in LEGS:
         events = legs.get(leg) or []
         if events:
-            data.append(dict(type="scatter", mode="lines+markers", name=(names or {}).get(leg, leg.upper()),
+            data.append(dict(type="scatter", mode="lines+markers", name=plot_text((names or {}).get(leg, leg.upper())),
                              line=dict(color=COLORS[leg]), marker=dict(size=4),
                              x=[0.0] + [e.elapsed_s for e in events], y=[0] + [e.new_tokens for e in events]))
     layout = dict(height=320, margin=dict(l=50, r=12, t=44, b=40),

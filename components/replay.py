@@ -10,16 +10,24 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Iterator
 
 import gradio as gr
 
-from flashspec_core import ArmState, RoundEvent, TokenSpan
+from flashspec_core import MODES, ArmState, RoundEvent, TokenSpan
+from flashspec_core.checks import check_text, shown
+from flashspec_core.gamma import MAX_GAMMA
 
 from components.arms import arms_figure
-from components.runs import COLUMNS, FIELDS, FORMAT, VERSION, Run
+from components.compact import CompactRun
+from components.runs import COLUMNS, FORMAT, VERSION
 from components.tokens import EMPTY, KINDS
 
-MAX_RUNS, MAX_ROUNDS, MAX_TEXT = 64, 30_000, 2_000  # what a loaded file may hold (rounds: all runs together)
+MAX_RUNS, MAX_ROUNDS, MAX_SPANS = 64, 30_000, 400_000  # what a loaded file may hold (all runs together)
+MAX_TEXT, MAX_FIELD = 200, 2_000  # characters of a token's text, of a runs-table value
+MAX_SECONDS = 86_400.0  # a round's times and a run's length, at most a day
+MIN_SECONDS = 1e-6  # a round's wall time and a run's elapsed time, at least a microsecond
+MAX_ROUND_WAIT_S = 2.0  # a replay waits at most this long for any one round, whatever the file says
 NAME = re.compile(r"[\w.:+\-/]{1,100}")  # drafter and arm names: no markup
 SPEEDS = (0.1, 1.0)  # the pace slider's range, times real time
 
@@ -32,23 +40,42 @@ class BadRunFile(ValueError):
 # From JSON (every value checked: the file comes from whoever uploads it)
 
 
-def _get(d: dict, key: str, kind, where: str, optional: bool = False):
+def _get(d: dict, key: str, kind, where: str, optional: bool = False, lo=None, hi=None):
+    """d[key] as an int or float in lo..hi (finite), or a str that is valid Unicode; None when optional and absent."""
     value = d.get(key)
     if value is None and optional:
         return None
-    ok = isinstance(value, kind) and not isinstance(value, bool) if kind is not bool else isinstance(value, bool)
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is str:
+        return _text(value, f"{where}: {key!r}", MAX_FIELD * 50)
+    ok = isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
+    ok = ok and (kind is not float or math.isfinite(value)) and (lo is None or lo <= value <= hi)
     if not ok:
-        raise BadRunFile(f"{where}: {key!r} should be {getattr(kind, '__name__', kind)}")
+        span = "" if lo is None else f" in {lo:g}..{hi:g}"
+        raise BadRunFile(f"{where}: {key!r} should be {'a number' if kind is float else 'an integer'}{span}, "
+                         f"got {shown(value, 24)}")
     return float(value) if kind is float else value
 
 
+def _text(value, what: str, limit: int) -> str:
+    """A str of at most `limit` characters that is valid Unicode (no lone surrogate)."""
+    if not isinstance(value, str) or len(value) > limit:
+        raise BadRunFile(f"{what} should be text of at most {limit:,} characters")
+    try:
+        check_text(value, what)
+    except ValueError as e:
+        raise BadRunFile(str(e).split(";")[0]) from None
+    return value
+
+
 def _ids(d: dict, key: str, where: str) -> tuple[int, ...]:
-    ids = _get(d, key, list, where)
-    if len(ids) > 64 or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 24 for t in ids):
+    ids = d.get(key)
+    if not isinstance(ids, list) or len(ids) > 64 or not all(_is_id(t) for t in ids):
         raise BadRunFile(f"{where}: {key!r} should be a short list of token ids")
     return tuple(ids)
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 24
 
 
 def _name(value, where: str) -> str:
@@ -58,59 +85,104 @@ def _name(value, where: str) -> str:
 
 
 def _span(s, where: str) -> TokenSpan:
-    if not isinstance(s, list) or len(s) != 5 or s[0] not in KINDS:
+    if not isinstance(s, list) or len(s) != 5 or s[0] not in KINDS or not _is_id(s[1]):
         raise BadRunFile(f"{where}: a span should be [kind, id, text, p, q]")
     d = dict(zip(("kind", "id", "text", "p", "q"), s))
-    if not isinstance(d["text"], str) or len(d["text"]) > MAX_TEXT:
-        raise BadRunFile(f"{where}: a span's text should be a short string")
-    return TokenSpan(d["kind"], _ids({"x": [d["id"]]}, "x", where)[0], d["text"], _get(d, "p", float, where),
-                     _get(d, "q", float, where, optional=True))
+    return TokenSpan(d["kind"], d["id"], _text(d["text"], f"{where}: a span's text", MAX_TEXT),
+                     _get(d, "p", float, where, lo=0.0, hi=1.0), _get(d, "q", float, where, True, 0.0, 1.0))
 
 
 def _arm(a, where: str) -> ArmState:
     if not isinstance(a, list) or len(a) != 5:
         raise BadRunFile(f"{where}: an arm should be [name, pulls, observations, mean, score]")
     d = dict(zip(("name", "pulls", "observations", "mean", "score"), a))
-    score = _get(d, "score", float, where, optional=True)
-    return ArmState(_name(d["name"], where), _get(d, "pulls", int, where), _get(d, "observations", int, where),
-                    _get(d, "mean", float, where), math.inf if score is None else score)
+    score = _get(d, "score", float, where, True, -100.0, 100.0)
+    return ArmState(_name(d["name"], where), _get(d, "pulls", int, where, lo=0, hi=MAX_ROUNDS),
+                    _get(d, "observations", int, where, lo=0, hi=16 * MAX_ROUNDS),
+                    _get(d, "mean", float, where, lo=0.0, hi=1.0), math.inf if score is None else score)
 
 
-def event_from_dict(d, where: str) -> RoundEvent:
+def _agree(spans: tuple[TokenSpan, ...], accepted, rejected, resampled, bonus) -> bool:
+    """Spans as the engine makes them: the accepted drafts, the rejected ones, then the resampled or bonus token."""
+    last = [t for t in (resampled, bonus) if t is not None]
+    kinds = ["accepted"] * len(accepted) + ["rejected"] * len(rejected) + \
+        ["resampled" if resampled is not None else "bonus"] * len(last)
+    shown_kinds = [s.kind if s.kind != "plain" else "bonus" for s in spans]
+    # (at an end of text inside the accepted drafts, the engine labels the drafts after it "accepted" too)
+    return len(last) <= 1 and [s.id for s in spans] == [*accepted, *rejected, *last] and \
+        all(k == seen or (k == "rejected" and seen == "accepted") for k, seen in zip(kinds, shown_kinds))
+
+
+def event_from_dict(d, where: str, index: int = 0) -> RoundEvent:
+    """One round, every value checked on its own and against the others (the spans against the ids, the ids
+    against gamma)."""
     if not isinstance(d, dict):
         raise BadRunFile(f"{where}: a round should be an object")
-    spans, arms = _get(d, "spans", list, where), _get(d, "arms", list, where)
-    if len(spans) > 64 or len(arms) > 16:
-        raise BadRunFile(f"{where}: too many spans or arms")
-    mode = d.get("mode")
-    finished = d.get("finished")
-    if mode not in ("speculative", "plain") or finished not in (None, "eos", "length"):
+    spans, arms = d.get("spans"), d.get("arms")
+    if not isinstance(spans, list) or not isinstance(arms, list) or len(spans) > 2 * MAX_GAMMA + 1 or len(arms) > 16:
+        raise BadRunFile(f"{where}: 'spans' and 'arms' should be short lists")
+    mode, finished = d.get("mode"), d.get("finished")
+    if mode not in MODES or finished not in (None, "eos", "length"):
         raise BadRunFile(f"{where}: unknown mode or finish")
+    if _get(d, "index", int, where, lo=0, hi=MAX_ROUNDS) != index:
+        raise BadRunFile(f"{where}: 'index' should be {index} (rounds are numbered from 0, in order)")
+    gamma = _get(d, "gamma", int, where, lo=0, hi=MAX_GAMMA)
+    accepted, rejected = _ids(d, "accepted", where), _ids(d, "rejected", where)
+    resampled, bonus = _get(d, "resampled", int, where, True, 0, 1 << 24), _get(d, "bonus", int, where, True, 0, 1 << 24)
+    spans = tuple(_span(s, where) for s in spans)
+    if not _agree(spans, accepted, rejected, resampled, bonus) or len(accepted) + len(rejected) > gamma:
+        raise BadRunFile(f"{where}: the spans, accepted and rejected ids and gamma do not agree")
+    seconds = {k: _get(d, k, float, where, lo=0.0, hi=MAX_SECONDS) for k in ("draft_s", "verify_s", "round_s",
+                                                                              "elapsed_s")}
+    if seconds["round_s"] < MIN_SECONDS or seconds["elapsed_s"] < MIN_SECONDS:
+        raise BadRunFile(f"{where}: 'round_s' and 'elapsed_s' should be at least {MIN_SECONDS:g} s")
+    _get(d, "text", str, where)  # checked, then rebuilt from the spans
     return RoundEvent(
-        index=_get(d, "index", int, where), mode=mode, drafter=_name(d.get("drafter"), where),
-        gamma=_get(d, "gamma", int, where), accepted=_ids(d, "accepted", where), rejected=_ids(d, "rejected", where),
-        resampled=_get(d, "resampled", int, where, optional=True), bonus=_get(d, "bonus", int, where, optional=True),
-        spans=tuple(_span(s, where) for s in spans), text=_get(d, "text", str, where)[:MAX_TEXT * 64],
-        draft_s=_get(d, "draft_s", float, where), verify_s=_get(d, "verify_s", float, where),
-        round_s=_get(d, "round_s", float, where), elapsed_s=_get(d, "elapsed_s", float, where),
-        new_tokens=_get(d, "new_tokens", int, where), arms=tuple(_arm(a, where) for a in arms), finished=finished,
-        prefill_s=_get(d, "prefill_s", float, where, optional=True) or 0.0)  # absent in files of earlier versions
+        index=index, mode=mode, drafter=_name(d.get("drafter"), where), gamma=gamma, accepted=accepted,
+        rejected=rejected, resampled=resampled, bonus=bonus, spans=spans,
+        text="".join(s.text for s in spans if s.kind != "rejected"), **seconds,
+        new_tokens=_get(d, "new_tokens", int, where, lo=0, hi=MAX_SPANS), arms=tuple(_arm(a, where) for a in arms),
+        finished=finished, prefill_s=_get(d, "prefill_s", float, where, True, 0.0, MAX_SECONDS) or 0.0)
 
 
 def _record(d: dict, where: str) -> dict:
-    """The runs-table row of a loaded run: known columns with plain values only."""
+    """The runs-table row of a loaded run: known columns with finite numbers and short valid text only."""
     row = {}
     for k in COLUMNS:
         v = d.get(k)
         if isinstance(v, float) and not math.isfinite(v):
             v = None
-        row[k] = v if isinstance(v, (int, float, type(None))) and not isinstance(v, bool) else str(v)[:200]
+        if not isinstance(v, (int, float, type(None))) or isinstance(v, bool) or (isinstance(v, int) and abs(v) > 2**64):
+            v = _text(str(v)[:MAX_FIELD], f"{where}: {k!r}", MAX_FIELD)
+        row[k] = v
     if not row["run"]:
         raise BadRunFile(f"{where}: the run has no name")
     return row
 
 
-def load_document(text: str, source: str = "file") -> list[Run]:
+def run_from_dict(r, where: str, source: str) -> CompactRun:
+    """One run of a file, its rounds checked one by one and kept compactly (never all as objects at once)."""
+    if not isinstance(r, dict) or not isinstance(r.get("events"), list) or not r["events"]:
+        raise BadRunFile(f"{where}: should be an object with a list of rounds")
+    record = _record(r, where)
+    record["run"] = f"{source}: {record['run']}"[:120]
+    prompt = r.get("prompt") if isinstance(r.get("prompt"), str) else ""
+    run = CompactRun(record, _text(prompt, f"{where}: the prompt", 100_000))
+    tokens, elapsed, arms = 0, 0.0, None
+    for j, d in enumerate(r["events"]):
+        e = event_from_dict(d, f"{where}, round {j}", j)
+        tokens += len(e.emitted)
+        names = [a.name for a in e.arms]
+        arms = names if arms is None else arms
+        if e.new_tokens != tokens or e.elapsed_s < elapsed or names != arms or (e.finished and j + 1 < len(r["events"])):
+            raise BadRunFile(f"{where}, round {j}: the token count, the time, the arms or the finish do not follow "
+                             "from the earlier rounds")
+        elapsed = e.elapsed_s
+        run.add(e)
+    return run
+
+
+def load_document(text: str, source: str = "file") -> list[CompactRun]:
     """The replayable runs of an exported JSON file. Raises BadRunFile with a short reason."""
     try:
         doc = json.loads(text)
@@ -123,20 +195,15 @@ def load_document(text: str, source: str = "file") -> list[Run]:
     runs = doc.get("runs")
     if not isinstance(runs, list) or not 0 < len(runs) <= MAX_RUNS:
         raise BadRunFile(f"the file should hold 1 to {MAX_RUNS} runs")
-    out, rounds = [], 0
-    for i, r in enumerate(runs):
-        where = f"run {i + 1}"
-        if not isinstance(r, dict):
-            raise BadRunFile(f"{where}: should be an object")
-        events = _get(r, "events", list, where)
-        rounds += len(events)
-        if not events or rounds > MAX_ROUNDS:
-            raise BadRunFile(f"{where}: every run should have rounds, at most {MAX_ROUNDS} in the file")
-        record = _record(r, where)
-        record["run"] = f"{source}: {record['run']}"[:120]
-        prompt = r.get("prompt") if isinstance(r.get("prompt"), str) else ""
-        out.append(Run(record, prompt[:100_000], tuple(event_from_dict(e, f"{where}, round {j}")
-                                                       for j, e in enumerate(events))))
+    rounds = sum(len(r["events"]) for r in runs if isinstance(r, dict) and isinstance(r.get("events"), list))
+    spans = sum(len(e["spans"]) for r in runs if isinstance(r, dict) and isinstance(r.get("events"), list)
+                for e in r["events"] if isinstance(e, dict) and isinstance(e.get("spans"), list))
+    if rounds > MAX_ROUNDS or spans > MAX_SPANS:
+        raise BadRunFile(f"the file holds {rounds:,} rounds and {spans:,} tokens; at most {MAX_ROUNDS:,} and "
+                         f"{MAX_SPANS:,} are replayed")
+    out = [run_from_dict(r, f"run {i + 1}", source) for i, r in enumerate(runs)]
+    if len({r.name for r in out}) != len(out):
+        raise BadRunFile("two runs of the file have the same name")
     return out
 
 
@@ -144,30 +211,21 @@ def load_document(text: str, source: str = "file") -> list[Run]:
 # The pace
 
 
-def due(events: list[RoundEvent], start: int, speed: float, seconds: float) -> int:
-    """How many rounds are on screen `seconds` after playing from round `start` at `speed` times real time
-    (round i appears when the original stream had reached elapsed_s[i], prefill included)."""
-    t0 = events[start - 1].elapsed_s if start else 0.0
-    n = start
-    while n < len(events) and (events[n].elapsed_s - t0) / speed <= seconds:
-        n += 1
-    return n
+def play_times(run: CompactRun, start: int, speed: float) -> Iterator[float]:
+    """Seconds after Play at which rounds start, start + 1, ... appear at `speed` times the run's real pace; no round
+    waits more than MAX_ROUND_WAIT_S after the one before it (whatever a file says)."""
+    t, before = 0.0, run.elapsed(start - 1) if start else 0.0
+    for i in range(start, len(run)):
+        t += min(max(0.0, run.elapsed(i) - before) / speed, MAX_ROUND_WAIT_S)
+        before = run.elapsed(i)
+        yield t
 
 
-def wait_for(events: list[RoundEvent], start: int, shown: int, speed: float, seconds: float) -> float:
-    """Seconds until round `shown` (the next one) is due; 0 when it already is, or when none is left."""
-    if shown >= len(events):
-        return 0.0
-    t0 = events[start - 1].elapsed_s if start else 0.0
-    return max(0.0, (events[shown].elapsed_s - t0) / speed - seconds)
-
-
-def position(events: list[RoundEvent], shown: int) -> str:
-    if not events:
+def position(rounds: int, shown: int, tokens: int = 0) -> str:
+    if not rounds:
         return "Pick a run, then **Play** or **Next round**."
-    tokens = events[shown - 1].new_tokens if shown else 0
-    end = " (end)" if shown == len(events) else ""
-    return f"Round {shown} of {len(events)} · {tokens} tokens{end}"
+    end = " (end)" if shown == rounds else ""
+    return f"Round {shown} of {rounds} · {tokens} tokens{end}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -187,7 +245,7 @@ def build_replay() -> dict[str, gr.components.Component]:
         c["replay_pause"] = gr.Button("Pause", elem_id="replay-pause", scale=1, min_width=70)
         c["replay_step"] = gr.Button("Next round", elem_id="replay-step", scale=1, min_width=70)
         c["replay_restart"] = gr.Button("Restart", elem_id="replay-restart", scale=1, min_width=70)
-    c["replay_position"] = gr.Markdown(position([], 0), elem_id="replay-position")
+    c["replay_position"] = gr.Markdown(position(0, 0), elem_id="replay-position")
     c["replay_tokens"] = gr.HTML(EMPTY, label="Replayed text", elem_id="replay-tokens")
     c["replay_stats"] = gr.Markdown("&nbsp;", elem_id="replay-stats")
     c["replay_arms"] = gr.Plot(arms_figure([]), label="Bandit (replay)", elem_id="replay-arms")

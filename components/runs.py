@@ -26,6 +26,7 @@ COLUMNS = ("run", "leg", "when", "mode", "example", "pair", "models", "drafters"
 ROUNDED = {"tok_per_s": 2, "decode_tok_per_s": 2, "acceptance": 3, "tokens_per_forward": 3, "elapsed_s": 3,
            "prefill_s": 3, "speedup": 3}
 FORMAT, VERSION = "flashspec-runs", 1  # the JSON export's header
+DOWNLOADS = ("Download CSV", "Download JSON (replayable)")  # the download buttons' labels
 FIELDS = ("index", "mode", "drafter", "gamma", "accepted", "rejected", "resampled", "bonus", "spans", "text",
           "draft_s", "verify_s", "round_s", "elapsed_s", "new_tokens", "arms", "finished", "prefill_s")  # a round's, in JSON
 
@@ -64,18 +65,23 @@ def runs_frame(records: list[dict]) -> pd.DataFrame:
     return frame
 
 
+def finite(x):
+    """A number for JSON: NaN and infinities become null (JSON has neither), so one odd value cannot break an export."""
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
 def event_to_dict(e: RoundEvent) -> dict:
-    d = {f: getattr(e, f) for f in FIELDS}
+    d = {f: finite(getattr(e, f)) for f in FIELDS}
     d["accepted"], d["rejected"] = list(e.accepted), list(e.rejected)
-    d["spans"] = [[s.kind, s.id, s.text, s.p, s.q] for s in e.spans]
-    d["arms"] = [[a.name, a.pulls, a.observations, a.mean, a.score if math.isfinite(a.score) else None]
-                 for a in e.arms]
+    d["spans"] = [[s.kind, s.id, s.text, finite(s.p), finite(s.q)] for s in e.spans]
+    d["arms"] = [[a.name, a.pulls, a.observations, finite(a.mean), finite(a.score)] for a in e.arms]
     return d
 
 
 def export_document(runs: list[Run]) -> dict:
     return {"format": FORMAT, "version": VERSION,
-            "runs": [{**r.record, "prompt": r.prompt, "events": [event_to_dict(e) for e in r.events]} for r in runs]}
+            "runs": [{**{k: finite(v) for k, v in r.record.items()}, "prompt": r.prompt,
+                      "events": [event_to_dict(e) for e in r.events]} for r in runs]}
 
 
 def export_runs(runs: list[Run], folder: Path, tag: str = "") -> tuple[Path, Path]:
@@ -92,8 +98,7 @@ def build_runs() -> dict[str, gr.components.Component]:
     c["runs_table"] = gr.Dataframe(runs_frame([]), label="Runs in this session", elem_id="runs-table",
                                    interactive=False, max_height=360)
     with gr.Row():
-        c["download_csv"] = gr.DownloadButton("Download CSV", value=None, interactive=False, elem_id="download-csv")
-        c["download_json"] = gr.DownloadButton("Download JSON (replayable)", value=None, interactive=False,
-                                               elem_id="download-json")
+        c["download_csv"] = gr.DownloadButton(DOWNLOADS[0], value=None, interactive=False, elem_id="download-csv")
+        c["download_json"] = gr.DownloadButton(DOWNLOADS[1], value=None, interactive=False, elem_id="download-json")
         c["clear_runs"] = gr.Button("Clear runs", elem_id="clear-runs", variant="secondary")
     return c

@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass
 
 import gradio as gr
+import numpy as np
 
 from flashspec_core import MODES, PRESETS, STRATEGIES, SamplingConfig
 from flashspec_core.engine import DRAFT_HEAD
-from flashspec_core.checks import is_real, shown
-from flashspec_core.models import (EMBEDDED_HUB_ID, PUBLIC, LoadPolicy, embedded_package_present, parse_model_name,
+from flashspec_core.checks import is_int, is_real, shown
+from flashspec_core.models import (EMBEDDED, EMBEDDED_HUB_ID, PUBLIC, LoadPolicy, embedded_package_present, parse_model_name,
                                    pick_device)
 from kernels import BACKENDS, resolve_backend, triton_available
 
@@ -102,11 +103,20 @@ class RunSettings:
 
 
 def number(name: str, value, lo, hi, integer: bool = False):
-    """A real number in lo..hi (an integral one when integer=True), else a ValueError naming it."""
-    ok = is_real(value) and math.isfinite(value) and lo <= value <= hi and (not integer or value == int(value))
-    if not ok:
+    """A real number in lo..hi (an integral one when integer=True), else a ValueError naming it. An integer of any
+    size is compared exactly (10**400 is out of range, not an OverflowError)."""
+    ok = is_real(value) and (is_int(value) or math.isfinite(value)) and lo <= value <= hi
+    if not ok or (integer and value != int(value)):
         raise ValueError(f"{name} must be {'an integer' if integer else 'a number'} in {lo}..{hi}, got {shown(value)}")
     return int(value) if integer else float(value)
+
+
+def float32(name: str, value: float) -> float:
+    """`value` as the engine computes with it (a 32-bit float): a nonzero value that rounds to 0 there (1e-300)
+    would act as 0, so it is refused here."""
+    if value != 0 and np.float32(value) == 0:
+        raise ValueError(f"{name} {shown(value)} is 0 as a 32-bit float; use at least {np.finfo(np.float32).tiny:.1e}")
+    return value
 
 
 def one_of(name: str, value, allowed) -> str:
@@ -158,17 +168,24 @@ def resolve_pair(choice, target="", draft="", policy: LoadPolicy = PUBLIC) -> Pa
     """A preset name, or CUSTOM with free-text ids -> PairSpec. Custom ids are checked by syntax (and folders
     against the policy) before anything touches the disk or the network. Raises ValueError."""
     if choice == CUSTOM:
-        target = text("the target model", target, 10_000).strip()
-        draft = text("the draft model", draft, 10_000).strip()
+        target = embedded_or(text("the target model", target, 10_000).strip())
+        draft = embedded_or(text("the draft model", draft, 10_000).strip())
         if not target:
             raise ValueError("custom pair: type a target model (a Hub id such as 'Qwen/Qwen2.5-1.5B-Instruct', "
                              "or 'embedded')")
         for name in (target, draft) if draft else (target,):
             parse_model_name(name, policy)
+        if target == EMBEDDED and draft in ("", EMBEDDED):  # the embedded pair's engine: one copy of the model
+            return resolve_pair(DEFAULT_PAIR)
         return PairSpec(CUSTOM, target, tuple(([draft] if draft else []) + list(CUSTOM_DRAFTERS)))
     if not isinstance(choice, str) or choice not in PRESETS:
         raise ValueError(f"unknown model pair {shown(choice)}; expected one of {sorted(PRESETS) + [CUSTOM]}")
     return PairSpec(choice, PRESETS[choice]["target"], tuple(PRESETS[choice]["drafters"]))
+
+
+def embedded_or(name: str) -> str:
+    """'embedded' however it is typed (any case), else the name unchanged."""
+    return EMBEDDED if name.lower() == EMBEDDED else name
 
 
 def role_choices(spec: PairSpec | None) -> list[tuple[str, str]]:
@@ -221,8 +238,8 @@ def parse_settings(pair, target, draft, roles, gamma_auto, gamma, temperature, t
     gamma = parse_gamma(gamma_auto, gamma) if mode == "speculative" else 0
     max_new_tokens = number("max new tokens", max_new_tokens, 1, MAX_UI_TOKENS, integer=True)
     seed = number("seed", seed, 0, SEED_MAX, integer=True)
-    sampling = SamplingConfig(temperature=number("temperature", temperature, 0.0, MAX_TEMPERATURE),
-                              top_p=number("top_p", top_p, 0.0, 1.0))
+    temperature = float32("temperature", number("temperature", temperature, 0.0, MAX_TEMPERATURE))
+    sampling = SamplingConfig(temperature=temperature, top_p=float32("top_p", number("top_p", top_p, 0.0, 1.0)))
     return RunSettings(spec, chosen, gamma, sampling, max_new_tokens, seed, bandit, backend, mode)
 
 

@@ -60,6 +60,20 @@ def tokens_html(events: list[RoundEvent], live: bool = True, keep_rejected: bool
     return f'<div class="fs-tokens">{body}</div>'
 
 
+def round_group(event: RoundEvent) -> str:
+    """One round of a replay: all its spans in a group (CSS shows the rejected drafts of the last group only)."""
+    return f'<span class="fs-round">{round_html(event, True)}</span>'
+
+
+def replay_page(groups: str, skipped_rounds: int = 0, skipped_tokens: int = 0, done: bool = False) -> str:
+    """The replay pane: a page of round groups, after a note on the rounds of earlier pages. The page is left open
+    (no closing tag; the browser closes it), so while a replay plays each update only appends to the last one and
+    gradio sends just the new part."""
+    note = (f'<span class="fs-skipped">… {skipped_rounds} earlier rounds ({skipped_tokens} tokens) are not shown …'
+            '</span>\n') if skipped_rounds else ""
+    return f'<div class="fs-tokens fs-replay{" fs-done" if done else ""}">{note}{groups}'
+
+
 def legend_html() -> str:
     items = "".join(f'<span class="tok tok-{k}">{html.escape(KIND_LABELS[k])}</span>' for k in KINDS)
     return f'<div class="fs-legend">{items}<span class="fs-hint">hover a token for its drafter, p and q</span></div>'

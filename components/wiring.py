@@ -27,23 +27,26 @@ def on_zero_gpu(environ=os.environ) -> bool:
     return environ.get("SPACES_ZERO_GPU", "").lower() in ("1", "t", "true")
 
 
-def bind(handler, ui: dict, inputs: list[str]):
-    """A gradio callback that calls handler(**{name: value}) and maps its {name: value} updates onto ui.
+def bind(handler, ui: dict, inputs: list[str], outputs: list[str] = ()):
+    """A gradio callback that calls handler(**{name: value}) and maps its {name: value} updates onto ui; an empty
+    update leaves every output as it is (gradio would read an empty dict as a missing value).
 
     A handler that takes `progress` gets gradio's progress tracker (a loading bar over the outputs): gradio
-    finds it as a positional parameter with a gr.Progress() default, after the inputs.
+    finds it as a positional parameter with a gr.Progress() default, after the inputs. One that takes `request`
+    gets the gr.Request of the event (gradio finds it by its annotation).
     """
     signature = inspect.signature(handler)
     signature.bind_partial(**dict.fromkeys(inputs))  # a TypeError now, at build time, for a misnamed input
-    wants_progress = "progress" in signature.parameters
+    extras = [name for name in ("progress", "request") if name in signature.parameters]
 
     def call(args):
-        if wants_progress:
-            *args, progress = args
-            return handler(**dict(zip(inputs, args)), progress=progress)
-        return handler(**dict(zip(inputs, args)))
+        named = dict(zip(inputs, args))
+        named.update(zip(extras, args[len(inputs):]))
+        return handler(**named)
 
-    def components(update: dict) -> dict:
+    def components(update: dict) -> dict | None:
+        if not update:  # gradio reads an empty dict as one (missing) value
+            return {ui[outputs[0]]: gr.skip()} if outputs else None
         return {ui[name]: value for name, value in update.items()}
 
     if inspect.isgeneratorfunction(handler):
@@ -54,9 +57,12 @@ def bind(handler, ui: dict, inputs: list[str]):
         def callback(*args):
             return components(call(args))
     params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in inputs]
-    if wants_progress:
+    if "progress" in extras:
         params.append(inspect.Parameter("progress", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=gr.Progress()))
+    if "request" in extras:
+        params.append(inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=gr.Request))
     callback.__signature__ = inspect.Signature(params)
+    callback.__annotations__ = {"request": gr.Request} if "request" in extras else {}  # gradio reads the hint here
     callback.__name__ = callback.__qualname__ = handler.__name__
     callback.__doc__ = handler.__doc__
     return callback
@@ -65,5 +71,5 @@ def bind(handler, ui: dict, inputs: list[str]):
 def wire(listener, handler, ui: dict, inputs: list[str], outputs: list[str], on_gpu: bool = False, **kwargs):
     """Attach handler to an event listener (e.g. button.click), inputs and outputs given by name; on_gpu wraps
     the handler in the Spaces GPU decorator."""
-    fn = bind(gpu(handler) if on_gpu else handler, ui, inputs)
+    fn = bind(gpu(handler) if on_gpu else handler, ui, inputs, outputs)
     return listener(fn, [ui[n] for n in inputs], [ui[n] for n in outputs], **kwargs)

@@ -121,7 +121,6 @@ class _Counterfactual:
     """What a model-free arm that was not pulled would have proposed, waiting for the tokens that decide it."""
     arm: str
     proposal: list[int]
-    propose_s: float  # its propose time
     seen: list[int]  # the tokens emitted since it was made
 
 
@@ -137,7 +136,6 @@ class _Stream:
     generator: torch.Generator  # every random draw of the stream (seeded)
     bandit: Bandit | None  # None with a single arm
     acceptance: dict[str, Acceptance] = field(default_factory=dict)  # per arm
-    draft_step: dict[str, float] = field(default_factory=dict)  # per arm: seconds per drafted token (EMA)
     t_start: float = 0.0  # set when the loop starts
     prefill_s: float = 0.0
     produced: int = 0  # tokens emitted so far
@@ -146,7 +144,6 @@ class _Stream:
 
     def __post_init__(self):
         self.acceptance = {a: Acceptance() for a in self.arms}
-        self.draft_step = {a: 0.0 for a in self.arms}
 
 
 class Engine:
@@ -168,7 +165,9 @@ class Engine:
                 raise ValueError(f"two drafters are named {d.name!r}")
             self.drafters[d.name] = d
         self.eos_ids = set(eos_ids or ())
-        self.costs = CostModel()  # the machine's forward costs, kept across streams
+        self.costs = CostModel()  # the machine's forward costs, measured once by `calibrate`
+        self.draft_steps = {NoDraft.name: 0.0}  # seconds per drafted token, likewise (per drafter)
+        self.calibrated = False
         for d in self.drafters.values():
             if d.sets_length:
                 d.costs = self.costs  # such a drafter sizes its drafts from this machine's measured costs
@@ -290,7 +289,7 @@ class Engine:
                bandit: str | None = None) -> Iterator[RoundEvent]:
         """Generate up to max_new_tokens, yielding one RoundEvent per round.
 
-        gamma: K in 0..32, or "auto" (per drafter, from its acceptance and the measured costs).
+        gamma: K in 0..32, or "auto" (per drafter, from its acceptance and the costs measured by `calibrate`).
         drafters: names of the arms to use (default: all); one name = that drafter every round, several =
         a bandit over them and the no-draft arm. mode="plain" decodes one token a round through the same code.
         """
@@ -321,6 +320,38 @@ class Engine:
             yield from events
         finally:
             self._streaming.release()
+
+    def calibrate(self, context: int = 64, reps: int = 3) -> None:
+        """Measure this machine's costs once: the target's forward over 1..MAX_AUTO_GAMMA + 1 tokens and each
+        drafter's propose time over 4 tokens, per token (the fastest of `reps`; a drafter added later is measured
+        when it first streams). Every decision that weighs costs (copy drafters' draft lengths, auto gamma, the
+        bandit's rewards) uses these fixed numbers and the round's tokens, never the round's own timings, so a
+        stream is a function of its prompt, settings and seed. Each stream calls it; it measures what is missing."""
+        rows = [[1 + i % (self.target.vocab_size - 1) for i in range(context)]]
+        greedy, generator = SamplingConfig(), torch.Generator(device=self.target.device).manual_seed(0)
+        if not self.calibrated:
+            self._start(rows, greedy, generator, context + 2 * (MAX_AUTO_GAMMA + 1), MAX_AUTO_GAMMA)
+            sizes, L = (1, 2, 3, 4, 5, 6, 8, 9, 12, MAX_AUTO_GAMMA + 1), self.target.length
+            best = dict.fromkeys(sizes, float("inf"))
+            for rep in range(reps + 1):  # the first pass warms up (a fresh model's first forwards are slower)
+                for T in sizes:
+                    t0 = time.perf_counter()
+                    self.target.forward(torch.tensor([rows[0][-1:] * T], device=self.target.device), logits_to_keep=T)
+                    self._sync()
+                    best[T] = min(best[T], time.perf_counter() - t0) if rep else best[T]
+                    self.target.crop(L)
+            self.costs = CostModel(decay=0.0)
+            for T in sizes:
+                self.costs.observe(T, best[T])
+            for d in self.drafters.values():
+                if d.sets_length:
+                    d.costs = self.costs
+            self.calibrated = True
+        for name, d in self.drafters.items():
+            if name not in self.draft_steps:
+                row = [rows[0][:]]
+                self._start(row, greedy, generator, context + (reps + 1) * (MAX_AUTO_GAMMA + 1), MAX_AUTO_GAMMA)
+                self.draft_steps[name] = min(self._round(row, d, 4, greedy, generator).draft_s / 4 for _ in range(reps))
 
     def reset_session(self) -> None:
         """Forget cross-generation memory (the n-gram cache), e.g. between benchmark rows."""
@@ -417,7 +448,6 @@ class Engine:
         hidden = None if self.target.aux is None else self.target.aux[:, :m + 1]  # features of the verified tokens
         for d in self.drafters.values():  # update
             d.observe(rows, L + m, hidden=hidden if d.aux_layers else None)
-        self.costs.observe(K + 1, verify_s)
         return RoundOutput(num_accepted, tokens, proposal.tokens[0].tolist() if K else [],
                            host[B, :K + 1].tolist(), host[B + 1, :K].tolist(), draft_s, verify_s)
 
@@ -445,6 +475,7 @@ class Engine:
     def _stream(self, s: _Stream) -> Iterator[RoundEvent]:
         """The loop: choose an arm and K, run a round, learn from it, yield its event."""
         max_gamma = MAX_AUTO_GAMMA if s.gamma == "auto" else s.gamma
+        self.calibrate()
         s.t_start = time.perf_counter()  # generation is lazy: the clock starts with the first round's prefill
         s.prefill_s = self._start(s.rows, s.sampling, s.generator, len(s.rows[0]) + s.max_new_tokens + max_gamma + 1,
                                   max_gamma, s.arms)
@@ -468,24 +499,22 @@ class Engine:
     def _gamma(self, s: _Stream, arm: str, limit: int) -> int:
         """K for this round: a fixed gamma, or for "auto" the K that maximises expected tokens per second from the
         arm's acceptance; a drafter that sets its own draft length (<= K, from the measured costs) gets the
-        largest K under "auto"."""
+        largest K under "auto". Costs are the ones `calibrate` measured."""
         gamma = s.gamma
         if gamma == "auto":
             drafter = self.drafters[arm]
-            gamma = MAX_AUTO_GAMMA if drafter.sets_length else best_gamma(s.acceptance[arm].rate, s.draft_step[arm],
+            gamma = MAX_AUTO_GAMMA if drafter.sets_length else best_gamma(s.acceptance[arm].rate, self.draft_steps[arm],
                                                                          self.costs, MAX_AUTO_GAMMA)
         return max(0, min(gamma, limit))
 
     def _learn(self, s: _Stream, arm: str, out: RoundOutput, before: list[int], emitted: list[int], limit: int):
-        """After a round: the arm's acceptance and draft cost, the bandit's reward, the other arms' scores."""
+        """After a round: the arm's acceptance, the bandit's reward (tokens emitted over the round's cost as
+        calibrated, not as timed: the same tokens always earn the same reward), the other arms' scores."""
         K, n = len(out.draft), out.num_accepted[0]
         s.acceptance[arm].observe(n, K)
-        if K:
-            step = out.draft_s / K
-            s.draft_step[arm] = 0.7 * s.draft_step[arm] + 0.3 * step if s.draft_step[arm] else step
         if s.bandit:
             ref = 1.0 / max(self.costs.plain_step(), 1e-9)
-            s.bandit.update(arm, speed_reward(len(emitted) / (out.draft_s + out.verify_s), ref))
+            s.bandit.update(arm, speed_reward(len(emitted) / max(self._cost(arm, K), 1e-9), ref))
             self._score_counterfactuals(s, arm, before, emitted, limit, ref)
 
     def _score_counterfactuals(self, s: _Stream, pulled: str, before: list[int], emitted: list[int], limit: int,
@@ -494,7 +523,7 @@ class Engine:
 
         What each would have proposed at the pre-round context is kept until later rounds show how far the target
         would have accepted it (its first mismatch, or all of it); it then scores as (matching prefix + 1) tokens
-        at the measured cost of verifying len(proposal) + 1 tokens plus its own propose time. Free: no target
+        at the calibrated cost of a round that drafts len(proposal) tokens. Free: no target
         forward, and no guess for the part of a long proposal that a short round does not reveal (a proposal the
         stream ends before resolving is dropped). The open proposals live in the stream's state.
         """
@@ -504,9 +533,8 @@ class Engine:
             drafter = self.drafters[arm]
             if arm == pulled or not drafter.model_free:
                 continue
-            t0 = time.perf_counter()
             proposal = drafter.propose_ids(before, self._gamma(s, arm, limit))
-            s.open.append(_Counterfactual(arm, proposal, time.perf_counter() - t0, list(emitted)))
+            s.open.append(_Counterfactual(arm, proposal, list(emitted)))
         still_open = []
         for c in s.open:
             m, known = 0, min(len(c.proposal), len(c.seen))
@@ -516,9 +544,13 @@ class Engine:
                 still_open.append(c)
                 continue
             s.acceptance[c.arm].observe(m, len(c.proposal))
-            seconds = c.propose_s + self.costs.forward(len(c.proposal) + 1)
+            seconds = self._cost(c.arm, len(c.proposal))
             s.bandit.update(c.arm, speed_reward((m + 1) / max(seconds, 1e-9), ref), pulled=False)
         s.open = still_open
+
+    def _cost(self, arm: str, K: int) -> float:
+        """A round's seconds as calibrated: K draft steps of the arm and a target forward over K + 1 tokens."""
+        return K * self.draft_steps[arm] + self.costs.forward(K + 1)
 
     def _finish(self, emitted: list[int], produced: int, max_new_tokens: int):
         for i, t in enumerate(emitted):

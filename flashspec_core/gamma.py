@@ -2,8 +2,9 @@
 
 With per-token acceptance a, a round that proposes K tokens emits (1 - a^(K+1)) / (1 - a) tokens on average
 (Leviathan et al. 2023) and costs K draft steps plus one target forward over K + 1 tokens. Both costs are
-measured as the engine runs, so the choice adapts to the machine: on a CPU a 17-token forward costs ~2x
-one token, on a GPU with graphs nearly the same as one.
+measured once per engine (`Engine.calibrate`, when it warms up), so the choice adapts to the machine (on a CPU a
+17-token forward costs ~2x one token, on a GPU with graphs nearly the same as one) while a run stays a function
+of its prompt, settings and seed.
 """
 from __future__ import annotations
 

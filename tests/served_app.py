@@ -19,6 +19,14 @@ ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 120
 
 
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process, in MB (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -32,9 +40,15 @@ def app_env(**extra: str) -> dict:
     return {**env, **extra}
 
 
+class Served(str):
+    """The app's URL, with the server's process id (to read its memory)."""
+    pid: int
+
+
 @contextmanager
 def served_app(log_path: Path, env: dict | None = None, args: tuple = (), python: tuple = ("app.py",)) -> Iterator[str]:
-    """Start the app (python + python args + --port N + args), wait until it answers, yield its URL, stop it.
+    """Start the app (python + python args + --port N + args), wait until it answers, yield its URL (a `Served`),
+    stop it.
     `python` may replace "app.py" with e.g. ("-c", code) to start it in a simulated environment."""
     port = free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,7 +68,9 @@ def served_app(log_path: Path, env: dict | None = None, args: tuple = (), python
                 if time.monotonic() > deadline:
                     pytest.fail(f"the app did not answer on {url} within {START_TIMEOUT_S} s")
                 time.sleep(0.5)
-        yield url
+        served = Served(url)
+        served.pid = proc.pid
+        yield served
     finally:
         proc.terminate()
         try:

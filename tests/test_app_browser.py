@@ -1,8 +1,8 @@
 """The app end to end in a real browser: `python app.py` on a free local port, Debian's chromium driven
 headless by Playwright. Runs the embedded default on an example prompt, an A/B race with the default
 configurations (plain vs speculative) and with two speculative ones, a replay (play, step, restart), the
-JSON export loaded back for replay, an error case followed by a working run, and Stop; screenshots go to
-tests/artifacts/.
+JSON export loaded back for replay, run files with a lone surrogate refused with a message (the page keeps
+working), an error case followed by a working run, and Stop; screenshots go to tests/artifacts/.
 
 Fails (never skips) when chromium is missing: `apt-get install -y chromium chromium-driver`.
 """
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.run_files import run_document, write
 from tests.served_app import ROOT, app_env, served_app
 
 ARTIFACTS = ROOT / "tests" / "artifacts"
@@ -201,6 +202,30 @@ def test_the_json_export_loads_back_for_replay(page):
     page.get_by_role("button", name="Next round", exact=True).click()
     wait_for_text(page, "#replay-position", "Round 1 of")
     assert page.locator("#replay-pick input").input_value().startswith("exported_runs")
+
+
+def upload_run_file(page, path) -> None:
+    page.get_by_role("tab", name="Replay").click()
+    with page.expect_file_chooser() as chooser:
+        page.locator("#replay-upload").click()
+    chooser.value.set_files(str(path))
+
+
+@pytest.mark.parametrize("where", ["span", "run name"])
+def test_a_lone_surrogate_in_a_run_file_gets_a_message_and_the_page_keeps_working(page, tmp_path, where):
+    doc = run_document(name="run \ud800" if where == "run name" else "run 1")
+    if where == "span":
+        doc["runs"][0]["events"][0]["spans"][0][2] = "\ud800"
+    page.get_by_role("tab", name="Replay").click()
+    before = page.locator("#replay-position").inner_text()
+    upload_run_file(page, write(tmp_path / "surrogate.json", doc))
+    message = wait_for_text(page, "#replay-position", "Cannot load this file", before)
+    assert "lone surrogate (U+D800)" in message and len(message) < 200
+    upload_run_file(page, write(tmp_path / "good.json", run_document()))
+    wait_for_text(page, "#replay-position", "Round 0 of 20")
+    page.get_by_role("button", name="Next round", exact=True).click()
+    wait_for_text(page, "#replay-position", "Round 1 of 20")  # the replay works, no spinner left hanging
+    assert page.locator("#replay-tokens .tok").count() == 5
 
 
 def test_bad_model_id_shows_a_message_then_a_normal_run_works(page):

@@ -3,6 +3,7 @@ import html
 import re
 import threading
 
+import gradio as gr
 import pytest
 
 import app
@@ -110,7 +111,7 @@ def test_race_runs_a_then_b_plain_against_speculative_by_default(embedded_slot):
     assert rows[1]["speedup"] == pytest.approx(rows[1]["tok_per_s"] / rows[0]["tok_per_s"])
     assert rows[0]["drafters"] == "" and rows[1]["drafters"] == "prompt_lookup+ngram_cache"
     assert [t.name for t in last["race_plot"].data] == ["A · plain", "B · speculative"]
-    assert [r.name for r in state.replayable()] == ["race 1 · B", "race 1 · A"]
+    assert [name for _, name in state.choices()] == ["race 1 · B", "race 1 · A"]
 
 
 def test_race_of_two_speculative_configurations(embedded_slot):
@@ -204,7 +205,10 @@ def test_pickers():
     b = pick_pair_b("smollm2-1.7b")
     assert set(b) == {"b_custom_row", "b_roles"}
     assert b["b_roles"]["choices"][0] == ("draft model (SmolLM2-135M-Instruct)", "draft_model")
-    assert pick_pair(["not", "a", "pair"]) == {} and pick_example(None) == {}
+    assert pick_example(None) == {}
+    for bad in (["not", "a", "pair"], None):  # only an API caller sends these: a short error, no traceback
+        with pytest.raises(gr.Error, match="unknown model pair"):
+            pick_pair(bad)
 
 
 def test_example_names_in_the_runs_table():

@@ -50,3 +50,20 @@ def test_wire_looks_components_up_by_name():
     wire(lambda fn, inputs, outputs, **kw: calls.append((fn(1), inputs, outputs, kw)), lambda a: {"out": a},
          ui, ["a"], ["out"], concurrency_limit=1)
     assert calls == [({"OUT": 1}, ["A"], ["OUT"], {"concurrency_limit": 1})]
+
+
+def test_gradio_finds_the_request_parameter():
+    from gradio.utils import get_type_hints
+
+    def handler(a, request=None):
+        return {"out": request}
+
+    callback = bind(handler, {"out": "OUT"}, ["a"], ["out"])
+    assert list(inspect.signature(callback).parameters) == ["a", "request"]
+    assert get_type_hints(callback) == {"request": gr.Request}
+    assert callback(1, "the request") == {"OUT": "the request"}
+
+
+def test_an_empty_update_leaves_the_outputs_as_they_are():
+    callback = bind(lambda a: {}, {"out": "OUT"}, ["a"], ["out"])
+    assert list(callback(1)) == ["OUT"] and isinstance(callback(1)["OUT"], type(gr.skip()))
