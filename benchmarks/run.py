@@ -120,7 +120,7 @@ def best(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="embedded")
     ap.add_argument("--seed", type=int, default=0)
@@ -141,36 +141,32 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="run every row this many times; report the median")
     ap.add_argument("--tag", default="", help="a suffix for the result files (a variant beside the main run)")
     args = ap.parse_args(argv)
-    gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
+    args.gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
+    return args
 
-    engine = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision=args.precision)
-    float32 = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision="float32",
-                                 drafters=[]) if args.float32_plain else None
-    prompts = load_prompt_set(args.prompt_set)
-    if args.only:
-        prompts = [p for p in prompts if p["kind"] in args.only]
+
+def engine_configs(engine: Engine, args) -> list[tuple[str, dict]]:
+    """(name, generate kwargs) of the engine rows: plain (the baseline, always), the bandit, each drafter fixed."""
     drafters = [n for n in engine.drafters if n != "no_draft"]
-    configs = [("plain", dict(mode="plain")), ("bandit", dict(gamma=gamma))]
-    configs += [(f"fixed:{d}", dict(gamma=gamma, drafters=[d])) for d in drafters]
-    configs = [c for c in configs if not args.configs or c[0] in args.configs or c[0] == "plain"]  # plain: the baseline
-    hf = [] if args.no_hf else [("hf:generate", {}), ("hf:prompt_lookup_10", dict(prompt_lookup_num_tokens=10))]
+    configs = [("plain", dict(mode="plain")), ("bandit", dict(gamma=args.gamma))]
+    configs += [(f"fixed:{d}", dict(gamma=args.gamma, drafters=[d])) for d in drafters]
+    return [c for c in configs if not args.configs or c[0] in args.configs or c[0] == "plain"]
 
-    max_news = {p["kind"]: args.max_new_tokens or p.get("max_new_tokens", 128) for p in prompts}
-    peers = {"llama.cpp": run_llama_cpp(args.llama_python, engine, prompts, max_news, args.repeats)} \
-        if "llama.cpp" in args.peers else {}
-    run_engine(engine, "Hello!", 8, args.seed)  # warm up allocators and the cost model
-    if float32:
-        run_engine(float32, "Hello!", 8, args.seed)
+
+def run_rows(engine: Engine, float32, prompts: list[dict], peers: dict, args) -> list[dict]:
+    """Every configuration on every prompt, one after the other, each against the prompt's first (plain) row."""
+    configs = engine_configs(engine, args)
+    hf = [] if args.no_hf else [("hf:generate", {}), ("hf:prompt_lookup_10", dict(prompt_lookup_num_tokens=10))]
+    extra = [("float32:plain", dict(mode="plain"))] if float32 else []
     on_cuda = engine.target.device.type == "cuda"
     rows = []
     for p in prompts:
-        max_new = max_news[p["kind"]]
+        max_new = args.max_news[p["kind"]]
         if on_cuda:  # capture this prompt's CUDA graphs and compile kernels outside the timed runs
-            run_engine(engine, p["prompt"], max_new, args.seed, gamma=gamma)
+            run_engine(engine, p["prompt"], max_new, args.seed, gamma=args.gamma)
             if hf:
                 run_hf(engine, p["prompt"], 16)
         plain = None
-        extra = [("float32:plain", dict(mode="plain"))] if float32 else []
         for name, kw in configs + extra + hf + [(f"{peer}:plain", {}) for peer in peers]:
             if name in (f"{peer}:plain" for peer in peers):
                 r = best(peers[name.split(":")[0]]["runs"][p["kind"]])
@@ -184,16 +180,41 @@ def main(argv=None) -> int:
                      speedup=r["tok_per_s"] / plain["tok_per_s"], same_as_plain=r["ids"] == plain["ids"])
             rows.append(r)
             print(f"{p['kind']:>24} {name:>22} {r['tok_per_s']:7.1f} tok/s  x{r['speedup']:.2f}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    engine = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision=args.precision)
+    float32 = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision="float32",
+                                 drafters=[]) if args.float32_plain else None
+    prompts = load_prompt_set(args.prompt_set)
+    if args.only:
+        prompts = [p for p in prompts if p["kind"] in args.only]
+    args.max_news = {p["kind"]: args.max_new_tokens or p.get("max_new_tokens", 128) for p in prompts}
+    peers = {"llama.cpp": run_llama_cpp(args.llama_python, engine, prompts, args.max_news, args.repeats)} \
+        if "llama.cpp" in args.peers else {}
+    run_engine(engine, "Hello!", 8, args.seed)  # warm up allocators and the cost model
+    if float32:
+        run_engine(float32, "Hello!", 8, args.seed)
+    rows = run_rows(engine, float32, prompts, peers, args)
+    env = write_results(engine, rows, peers, args, argv)
+    print()
+    print(table(rows, env))
+    return 0
+
+
+def write_results(engine: Engine, rows: list[dict], peers: dict, args, argv) -> dict:
+    """JSON (with the environment and the command) and CSV under benchmarks/results/; returns the environment."""
+    from flashspec_core.engine import paths
 
     env = environment()
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}" + (f"_{args.prompt_set}" if args.prompt_set != "examples" else "") + (f"_{args.tag}" if args.tag else "")
-    from flashspec_core.engine import paths
-
     env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine),
                precision=engine.precision, peers={k: v["version"] for k, v in peers.items()}, repeats=args.repeats)
     payload = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
-               "seed": args.seed, "gamma": gamma, "env": env, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
+               "seed": args.seed, "gamma": args.gamma, "env": env, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2))
     fields = ["prompt", "config", "tokens", "seconds", "tok_per_s", "speedup", "acceptance", "tokens_per_forward",
               "target_forwards", "draft_ms_per_token", "same_as_plain", "max_new_tokens"]
@@ -201,9 +222,7 @@ def main(argv=None) -> int:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    print()
-    print(table(rows, env))
-    return 0
+    return env
 
 
 def table(rows, env) -> str:
