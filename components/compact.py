@@ -20,8 +20,24 @@ FINISHED = (None, "eos", "length")
 MB = 1 << 20
 
 
+class NamedByRecord:
+    """A run named by its runs-table row (`record`): a session's own runs and loaded ones alike."""
+
+    record: dict
+
+    @property
+    def name(self) -> str:
+        """'run 3', 'race 2 · A', or a loaded run's name."""
+        leg = self.record.get("leg")
+        return f"{self.record['run']} · {leg}" if leg else str(self.record["run"])
+
+    def label(self) -> str:
+        r = self.record
+        return f"{self.name}: {r.get('mode')}, {r.get('new_tokens')} tokens, {r.get('example') or r.get('pair')}"
+
+
 @dataclass
-class CompactRun:
+class CompactRun(NamedByRecord):
     """A finished run for replay: its runs-table row, its prompt and its rounds, as arrays (see the module)."""
     record: dict
     prompt: str = ""
@@ -48,15 +64,6 @@ class CompactRun:
     arm: array = field(default_factory=lambda: array("H"))  # index into names
     counts: array = field(default_factory=lambda: array("L"))  # pulls, observations
     scores: array = field(default_factory=lambda: array("d"))  # mean, score (inf: untried)
-
-    @property
-    def name(self) -> str:
-        leg = self.record.get("leg")
-        return f"{self.record['run']} · {leg}" if leg else str(self.record["run"])
-
-    def label(self) -> str:
-        r = self.record
-        return f"{self.name}: {r.get('mode')}, {r.get('new_tokens')} tokens, {r.get('example') or r.get('pair')}"
 
     def __len__(self) -> int:
         return len(self.gamma)

@@ -17,6 +17,7 @@ from pathlib import Path
 import gradio as gr
 import pandas as pd
 
+from components.compact import NamedByRecord
 from flashspec_core import RoundEvent
 
 COLUMNS = ("run", "leg", "when", "mode", "example", "pair", "models", "drafters", "bandit", "gamma", "temperature",
@@ -32,21 +33,11 @@ FIELDS = ("index", "mode", "drafter", "gamma", "accepted", "rejected", "resample
 
 
 @dataclass(frozen=True)
-class Run:
+class Run(NamedByRecord):
     """A finished run (or race leg): its runs-table row, and what replay needs."""
     record: dict  # run_record(): flat, the runs table's columns
     prompt: str = ""
     events: tuple[RoundEvent, ...] = ()  # dropped (empty) for old runs, to bound a session's memory
-
-    @property
-    def name(self) -> str:
-        """'run 3', 'race 2 · A', or a loaded run's name."""
-        leg = self.record.get("leg")
-        return f"{self.record['run']} · {leg}" if leg else str(self.record["run"])
-
-    def label(self) -> str:
-        r = self.record
-        return f"{self.name}: {r.get('mode')}, {r.get('new_tokens')} tokens, {r.get('example') or r.get('pair')}"
 
 
 def run_record(run: str, mode: str, settings: dict, stats: dict, example: str = "", speedup: float | None = None,
