@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flashspec_core.prompt_bank import (DOMAINS, FOLLOW_UPS, MATERIAL, Prompt, clean_material, is_heldout,
-                                        make_prompts, material_requests, parse_topics, topic_request)
+from flashspec_core.prompt_bank import (DOMAINS, FOLLOW_UPS, MATERIAL, Prompt, clean_material, make_prompts,
+                                        material_requests, parse_topics, topic_request)
 
 MARK = "\x00"
 TOPICS = [
@@ -177,7 +177,11 @@ class Gen:
 
     def __call__(self, users: list[str], max_new: int, temperature: float) -> list[list[int]]:
         """The target's answers to single user turns."""
-        return self.continue_texts([self.before + u + self.after for u in users], max_new, temperature)
+        return self.continue_texts(self.chat(users), max_new, temperature)
+
+    def chat(self, users: list[str]) -> list[str]:
+        """Single user turns in the chat template, up to the assistant's turn."""
+        return [self.before + u + self.after for u in users]
 
     def continue_texts(self, texts: list[str], max_new: int, temperature) -> list[list[int]]:
         out = generate(self.model, self.tokenizer, texts, min(max_new, self.max_new), temperature, self.batch, self.static)
@@ -221,13 +225,12 @@ def broad_prompts(gen: Gen, sizes: dict[str, int], rng: random.Random, banned: l
 def answer_all(gen: Gen, jobs: list[tuple[Prompt, float]], max_new: int) -> tuple[Corpus, list]:
     """Each (prompt, temperature) job answered, all in one pass; returns the corpus and the greedy (prompt,
     answer ids) pairs."""
-    texts = [gen.before + p.text + gen.after for p, _ in jobs]
+    texts = gen.chat([p.text for p, _ in jobs])
     answers = gen.continue_texts(texts, max_new, [t for _, t in jobs])
     corpus = Corpus([], [], [], [])
     for greedy in (True, False):
         part = [(text, a, p) for text, a, (p, t) in zip(texts, answers, jobs) if (t == 0.0) == greedy]
-        add(corpus, gen.tokenizer, [x[0] for x in part], [x[1] for x in part],
-            [is_heldout(p.kind, p.topic or p.text) for _, _, p in part], greedy)
+        add(corpus, gen.tokenizer, [x[0] for x in part], [x[1] for x in part], [p.heldout for _, _, p in part], greedy)
     return corpus, [(p, a) for (p, t), a in zip(jobs, answers) if t == 0.0 and a]
 
 
@@ -240,7 +243,7 @@ def follow_ups(gen: Gen, firsts: list, n: int, max_new: int, rng: random.Random)
         for p, a in picked]
     corpus = Corpus([], [], [], [])
     add(corpus, gen.tokenizer, texts, gen.continue_texts(texts, max_new, 0.0),
-        [is_heldout(p.kind, p.topic or p.text) for p, _ in picked], True)
+        [p.heldout for p, _ in picked], True)
     return corpus
 
 

@@ -147,6 +147,11 @@ class Prompt:
     topic: str  # what it is about ("" when none)
     text: str  # the user's words
 
+    @property
+    def heldout(self) -> bool:
+        """Never trained on: a held-out kind or topic (a prompt without a topic is hashed by its text)."""
+        return is_heldout(self.kind, self.topic or self.text)
+
 
 def topic_request(domain: str, rng: random.Random) -> str:
     """A request that makes the target list topics of a domain (one per line)."""

@@ -25,7 +25,6 @@ import torch
 
 from flashspec_core.draft_head import DraftHead, HeadConfig, load_head, save_head
 from flashspec_core.head_data import Corpus, Gen, answer_all, broad_prompts, coverage, draft_vocabulary, follow_ups
-from flashspec_core.prompt_bank import is_heldout
 
 ROOT = Path(__file__).resolve().parent.parent
 OPEN_PROMPTS = ROOT / "benchmarks" / "open_prompts.json"  # hand-written, never trained on
@@ -141,6 +140,13 @@ def step_loss(head: DraftHead, model, batch, cfg: TrainConfig) -> torch.Tensor:
     return pass_loss(head, head.ttt_forward(features, ids, cfg.ttt_steps), probs, lengths, starts, cfg)
 
 
+def agreement(head: DraftHead, logits: torch.Tensor, p: torch.Tensor, top: torch.Tensor):
+    """One draft pass against the target at the positions it predicts: hit (the head's argmax over the draft
+    vocabulary is the target's argmax `top`) and alpha = sum_v min(p, q), its chance of acceptance at temperature 1
+    (p: the target's distribution on the draft vocabulary, q = softmax(logits))."""
+    return head.draft_ids[logits.argmax(-1)] == top, torch.minimum(p, logits.softmax(-1)).sum(-1)
+
+
 @torch.no_grad()
 def evaluate(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device) -> dict:
     """Held-out loss, top-1 agreement per pass, and the chain's expected tokens per target forward at
@@ -161,9 +167,8 @@ def evaluate(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device) -
         slots = valid(lengths, starts, ids.shape[1], K - 1)[:, :W]  # ... and all predict answer tokens
         hits, alphas = [], []
         for j, h in enumerate(outs):
-            logits = head.logits(h[:, :W])
-            hit = head.draft_ids[logits.argmax(-1)] == top[:, 1 + j:1 + j + W]
-            alphas.append(torch.minimum(probs[:, 1 + j:1 + j + W], logits.softmax(-1)).sum(-1))
+            hit, alpha = agreement(head, head.logits(h[:, :W]), probs[:, 1 + j:1 + j + W], top[:, 1 + j:1 + j + W])
+            alphas.append(alpha)
             agree[j] += float(hit[slots].sum())
             counted[j] += float(slots.sum())
             hits.append(hit)
@@ -332,7 +337,7 @@ def make_corpus(gen: Gen, cfg: TrainConfig, folder: Path, log=print) -> Corpus:
     deadline = t0 + cfg.data_minutes * 60
     sizes = {k: getattr(cfg, k) for k in ("topic_asks_per_domain", "materials", "bank_prompts", "self_prompts")}
     prompts = broad_prompts(gen, sizes, rng, banned_texts(), log)
-    held = [{"kind": p.kind, "prompt": p.text} for p in prompts if is_heldout(p.kind, p.topic or p.text)]
+    held = [{"kind": p.kind, "prompt": p.text} for p in prompts if p.heldout]
     rng.shuffle(held)
     (folder / "heldout_prompts.json").write_text(json.dumps(held[:400], indent=1))
     log(f"{len(prompts)} prompts ({len(held)} held out), {gen.tokens} tokens in {time.monotonic() - t0:.0f} s")
