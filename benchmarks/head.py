@@ -28,7 +28,7 @@ from flashspec_core.draft_head import load_head
 from flashspec_core.drafters import DraftHeadDrafter
 from flashspec_core.engine import HEADS
 from flashspec_core.models import load_model, pick_device, pick_dtype
-from flashspec_core.train_head import target_side
+from flashspec_core.train_head import agreement, target_side
 
 from benchmarks.run import GREEDY, RESULTS, ROOT, environment, run_engine
 
@@ -53,9 +53,9 @@ def teacher_forced(model, head, prompt_ids: list[int], answer: list[int], K: int
     slots = torch.arange(max(0, start - 1), max(0, L - 1 - K), device=ids.device)  # first draft after the bonus token
     hits, alphas = [], []
     for j, h in enumerate(outs):
-        logits = head.logits(h[0, slots]).float()
-        hits.append(head.draft_ids[logits.argmax(-1)] == top[0, slots + 1 + j])
-        alphas.append(torch.minimum(probs[0, slots + 1 + j], logits.softmax(-1)).sum(-1))
+        hit, alpha = agreement(head, head.logits(h[0, slots]).float(), probs[0, slots + 1 + j], top[0, slots + 1 + j])
+        hits.append(hit)
+        alphas.append(alpha)
     return {"hits": torch.stack(hits, -1).float(), "alphas": torch.stack(alphas, -1)}
 
 
