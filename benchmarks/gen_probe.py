@@ -1,10 +1,11 @@
 """Generation throughput of one process on a GPU at the draft-head data's shapes: a random model of the embedded
 target's shape (no weights needed), bfloat16, a static KV cache at a large batch: generate() with its own
 multinomial sampling, eager and compiled, or (--rows) the data's own path, `head_data.generate` (one call for
-mixed temperatures, Gumbel-max per row, compiled). Random weights never end an answer early, so every new token
+mixed temperatures, Gumbel-max per row, compiled). `--attention grouped` (the data's choice) decodes with
+`flashspec_core.grouped_attention`, `sdpa` with transformers' own (key/value heads repeated). Random weights never end an answer early, so every new token
 counts. Prints new tokens per second; numbers, not assertions.
 
-    python -m benchmarks.gen_probe [--batch 2048] [--width 128] [--new 128] [--rows]
+    python -m benchmarks.gen_probe [--batch 2048] [--width 128] [--new 128] [--rows] [--attention grouped|sdpa]
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import json
 import time
 
 import torch
+
+from flashspec_core.grouped_attention import use_grouped_attention
 
 
 def model_like_smollm2():
@@ -74,8 +77,11 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rows", action="store_true", help="time head_data.generate (mixed temperatures) instead")
+    ap.add_argument("--attention", choices=("grouped", "sdpa"), default="grouped")
     args = ap.parse_args(argv)
     model = model_like_smollm2()
+    if args.attention == "grouped":
+        use_grouped_attention(model)
     if args.rows:
         rows = {"head_data.generate, compiled": timed_rows(model, args.batch, args.width, args.new)}
     else:

@@ -6,7 +6,8 @@
 #   train:   assemble the GGUF, make the draft head's corpus and train it (TRAIN_ARGS), checkpoint in /root/ckpt
 #   resume:  train on from /root/ckpt (TRAIN_ARGS, e.g. --train-minutes 8)
 # The broad draft head (the GGUF in three parts, since the tracked tree is ~30 MB of the 64 MiB a call carries):
-#   p1:      stash GGUF part 1 and the wheels (.carry/p1), then time generate() at the data's shapes (gen_probe)
+#   p1:      stash GGUF part 1 and the wheels (.carry/p1), then time the data's generation (gen_probe --rows) at each
+#            of PROBE_BATCHES
 #   p2:      stash GGUF part 2 (.carry/p2)
 #   headgo:  assemble the GGUF with part 3 (.carry/p3), start data + training in the background (TRAIN_ARGS), watch it
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
@@ -77,7 +78,9 @@ resume)
   python3 -m flashspec_core.train_head --ckpt /root/ckpt --out "" --resume ${TRAIN_ARGS:-} 2>&1 | grep -v -i "loading weights" | tee "$OUT/train_resume.log" | tail -40
   bring_back ;;
 p1)
-  timeout 240 python3 -m benchmarks.gen_probe 2>&1 | grep -v Warning | tee "$OUT/gen_probe.log" ;;
+  for b in ${PROBE_BATCHES:-2048}; do
+    timeout 200 python3 -m benchmarks.gen_probe --rows --new 256 --batch $b ${PROBE_ARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/gen_probe.log"
+  done ;;
 p2)
   ls -la /root/stash ;;
 headgo)

@@ -418,6 +418,7 @@ def corpus_for(cfg: TrainConfig, model, tokenizer, ckpt: Path, log=print) -> Cor
     """The checkpoint's corpus, or a new one made by a generating copy of the target (bfloat16 on CUDA)."""
     import copy
 
+    from flashspec_core.grouped_attention import use_grouped_attention
     from flashspec_core.models import pick_dtype
 
     if (ckpt / "corpus.json").exists():
@@ -427,6 +428,7 @@ def corpus_for(cfg: TrainConfig, model, tokenizer, ckpt: Path, log=print) -> Cor
     t0 = time.monotonic()
     gen_model = copy.deepcopy(model).to(pick_dtype(cfg.gen_dtype, model.device))
     gen_model.generation_config.disable_compile = not cfg.gen_compile
+    use_grouped_attention(gen_model)  # each cached key/value read once per decode step, not once per query head
     gen = Gen(gen_model, tokenizer, cfg.gen_batch, cfg.static_gen, cfg.max_new_tokens)
     corpus = make_corpus(gen, cfg, ckpt, log)
     spent = time.monotonic() - t0
