@@ -486,12 +486,12 @@ def main(argv=None) -> int:
                         versions={"torch": torch.__version__, "transformers": __import__("transformers").__version__})
         save_checkpoint(head, ckpt, meta)
 
-    sizes = describe(corpus, head, cfg)
+    # an export-only call describes the corpus it was trained on, which need not all be here (shards left behind)
+    sizes = meta["sizes"] if args.resume and cfg.train_minutes <= 0 and "sizes" in meta else describe(corpus, head, cfg)
     if cfg.train_minutes > 0:
         train(head, model, corpus, cfg, device, curve=meta["curve"], on_eval=checkpoint)
     checkpoint(meta["curve"])
-    if args.out:
-        head.set_draft_vocab(draft_vocabulary(corpus, head.cfg.draft_vocab_size, head.cfg.vocab_size, eos))  # same ids, most frequent first
+    if args.out:  # the head keeps the vocabulary it was trained with (most frequent first, from new_head)
         export(head, meta, Path(args.out))
         if (ckpt / "heldout_prompts.json").exists():  # prompts the head never saw, for benchmarks.head
             (Path(args.out) / "heldout_prompts.json").write_text((ckpt / "heldout_prompts.json").read_text())
