@@ -34,6 +34,21 @@ class DraftTree:
         """K drafts one after another: the chain verifier's case."""
         return cls(tuple(range(-1, K - 1)))
 
+    @classmethod
+    def full(cls, widths) -> "DraftTree":
+        """Every node at depth d has widths[d] children (the root is depth 0), numbered level by level, so that
+        siblings are consecutive: (2, 2) is two children of the root with two children each, N = 6."""
+        parents: list[int] = []
+        level = [-1]
+        for width in widths:
+            nxt = []
+            for parent in level:
+                for _ in range(width):
+                    parents.append(parent)
+                    nxt.append(len(parents) - 1)
+            level = nxt
+        return cls(tuple(parents))
+
     @property
     def N(self) -> int:
         return len(self.parents)
@@ -85,6 +100,11 @@ class DraftTree:
         width = max(1, max(len(k) for k in self.children))
         table = [list(k) + [-1] * (width - len(k)) for k in self.children]
         return torch.tensor(table, dtype=torch.int64, device=device)
+
+    def parent_slots(self, device=None) -> torch.Tensor:
+        """[N] int64: the slot of each node's parent, i.e. where the target's (and the drafter's) law that the node
+        is tested against sits: target_probs[:, tree.parent_slots()] is [B, N, V]."""
+        return torch.tensor([p + 1 for p in self.parents], dtype=torch.int64, device=device)
 
     def ancestor_mask(self, device=None) -> torch.Tensor:
         """[N+1, N+1] bool over slots: [s, t] is True when slot t is slot s itself or one of its ancestors

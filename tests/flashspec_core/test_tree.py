@@ -21,6 +21,14 @@ def test_depths_children_and_paths_of_a_hand_made_tree():
     assert TREE.child_table().tolist() == [[0, 1], [2, 3], [4, -1], [5, -1], [-1, -1], [-1, -1], [-1, -1]]
 
 
+def test_full_trees_number_siblings_consecutively_level_by_level():
+    tree = DraftTree.full((2, 2))
+    assert tree.parents == (-1, -1, 0, 0, 1, 1) and tree.children[0] == (0, 1) and tree.max_depth == 2
+    assert DraftTree.full((4, 1)).parents == (-1, -1, -1, -1, 0, 1, 2, 3)
+    assert DraftTree.full((1, 1, 1)) == DraftTree.chain(3) and DraftTree.full(()).N == 0
+    assert TREE.parent_slots().tolist() == [0, 0, 1, 1, 2, 3]
+
+
 def test_a_chain_is_the_special_case():
     K = 4
     chain = DraftTree.chain(K)

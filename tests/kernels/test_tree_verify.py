@@ -48,10 +48,6 @@ def assert_same(ref, out, what: str):
         assert diff == 0, f"{what}: max |{name} diff| = {diff}, {(a != b).sum().item()} of {a.numel()} differ"
 
 
-def slot_of_parent(tree):
-    return torch.tensor([p + 1 for p in tree.parents], dtype=torch.int64)
-
-
 def make_case(tree, B, V, *, drafter, seed, device, scale=3.0, guess=0.5):
     """Fresh peaky p and q: each node's q is a perturbation of the target's p at its parent, its token is the
     target's argmax there with probability `guess` and otherwise drawn from q (so first siblings, later siblings
@@ -59,7 +55,7 @@ def make_case(tree, B, V, *, drafter, seed, device, scale=3.0, guess=0.5):
     g = torch.Generator().manual_seed(seed)
     N = tree.N
     p_logits = torch.randn(B, N + 1, V, generator=g) * scale
-    parent = slot_of_parent(tree)
+    parent = tree.parent_slots()
     q = torch.softmax(p_logits[:, parent] + torch.randn(B, N, V, generator=g), dim=-1)  # [B, N, V]
     p = torch.softmax(p_logits, dim=-1)  # [B, N+1, V]
     if N:
@@ -304,7 +300,7 @@ P = torch.softmax(torch.randn(V6, V6, generator=torch.Generator().manual_seed(21
 Q = torch.softmax(P.log() + torch.randn(V6, V6, generator=torch.Generator().manual_seed(22)), dim=-1)  # near P
 LAW_TREES = {  # width 1, 2 and 4
     1: DraftTree.chain(3),
-    2: DraftTree((-1, -1, 0, 0, 1, 1)),
+    2: DraftTree.full((2, 2)),
     4: DraftTree((-1, -1, -1, -1, 0, 0, 0, 0, 1, 1, 2)),
 }
 
