@@ -18,8 +18,10 @@ children c_1..c_m in order, with p_1 = p:
 On acceptance move to c_j and start again there with p = the target's law after c_j (a leaf instead emits a bonus
 token from it); when c_m is rejected too, emit a token from norm(max(0, p_m - q_m)), and stop.
 
-q_j is the law x_j was drawn from given everything drafted before it (its parent and its earlier siblings); the
-caller passes it per node as draft_probs[:, j]:
+q_j is the law x_j was drawn from given everything the walk has seen when it tries c_j (the path to the parent,
+the earlier siblings, their rejection), never given the verifier's draws; the caller passes it per node as
+draft_probs[:, j]. Drafts that are a function of the context alone (deterministic heads, EAGLE-2's dynamic shapes)
+always qualify; sampled drafts qualify when a node's subtree is drafted given the path to it only:
   - siblings drawn i.i.d. from the parent's q: q_j = q for every sibling (SpecInfer's case);
   - siblings drawn without replacement: q_j = q with x_1..x_{j-1} removed, renormalised;
   - deterministic siblings (the EAGLE head's top-k; draft_probs=None): q_j one-hot at x_j. The test becomes
@@ -126,26 +128,36 @@ def _emitted_tokens(draft_tokens, num_accepted, path, final):
 # Reference (the specification)
 
 
+def _runs(mask: torch.Tensor) -> bool:
+    """Whether a step's masked block must run. On the host, checking that some row needs it is free and skipping
+    saves vocabulary-wide work; on a device the check would be a sync, so there the block always runs (masked)."""
+    return mask.device.type != "cpu" or bool(mask.any())
+
+
 def _greedy_walk_torch(children, draft_tokens, target_probs, D):
     """Follow from the root the first child whose token is the target's argmax at its parent."""
     B = draft_tokens.shape[0]
     rows = torch.arange(B, device=draft_tokens.device)
-    best = target_probs.argmax(dim=-1)  # [B, N+1]
     slot = torch.zeros(B, dtype=torch.int64, device=draft_tokens.device)
     num_accepted = torch.zeros_like(slot)
     path = torch.full((B, D), -1, dtype=torch.int64, device=draft_tokens.device)
+    best = target_probs[:, 0].argmax(dim=-1)  # [B] argmax p at each row's current slot
     active = torch.ones(B, dtype=torch.bool, device=draft_tokens.device)
     for _ in range(D):
+        if not _runs(active):
+            break
         kids = children[slot]  # [B, W]
         x = draft_tokens.gather(1, kids.clamp_min(0)) if draft_tokens.shape[1] else kids
-        match = active[:, None] & (kids >= 0) & (x == best[rows, slot][:, None])
+        match = active[:, None] & (kids >= 0) & (x == best[:, None])
         found = match.any(dim=-1)
         child = kids[rows, match.to(torch.int8).argmax(dim=-1)]  # the first matching child
         path[rows[found], num_accepted[found]] = child[found]
         num_accepted += found
         slot = torch.where(found, child + 1, slot)
+        if _runs(found):
+            best = torch.where(found, target_probs[rows, slot].argmax(dim=-1), best)
         active = found
-    return num_accepted, path, best[rows, slot]
+    return num_accepted, path, best
 
 
 def _fixed_point_mass(r: torch.Tensor) -> torch.Tensor:
@@ -166,30 +178,37 @@ def _sampled_walk_torch(children, draft_tokens, draft_probs, target_probs, unifo
     final = (p / noise).argmax(dim=-1)  # stands when the root has no children (N == 0): one bonus draw
     active = torch.ones(B, dtype=torch.bool, device=draft_tokens.device)
     for _ in range(N):  # each step tries a node no earlier step tried, so N steps finish every row
+        if not _runs(active):
+            break
         child = children[slot, sib]  # [B], a node for every active row
         c = child.clamp_min(0)
         x = draft_tokens[rows, c]
-        if draft_probs is None:
-            q = torch.nn.functional.one_hot(x, p.shape[-1]).to(p.dtype)
+        p_x = p[rows, x]
+        if draft_probs is None:  # q one-hot at x: max(0, p - q) is p without x (p(x) - 1 <= 0)
+            q_x = torch.ones_like(p_x)
+            r = p.scatter(1, x[:, None], 0.0)
         else:
             q = draft_probs[rows, c]  # [B, V]
-        accept = active & (uniform[rows, c] * q[rows, x] < p[rows, x])  # u < p/q without dividing
+            q_x = q[rows, x]
+            r = (p - q).clamp_min(0.0)
+        accept = active & (uniform[rows, c] * q_x < p_x)  # u < p/q without dividing
         reject = active & ~accept
         # accepted: record the node, move to it; at a leaf the row ends with a bonus draw from the leaf's p
         path[rows[accept], num_accepted[accept]] = child[accept]
         num_accepted += accept
-        p_child = target_probs[rows, c + 1]
         leaf = accept & (children[c + 1, 0] < 0)
-        # rejected: the residual; normalised for the next sibling, or the row ends with a draw from it
+        # rejected: the residual r is normalised for the next sibling, or the row ends with a draw from it
         more = (sib + 1 < W) & (children[slot, (sib + 1).clamp_max(W - 1)] >= 0)
         last, cont = reject & ~more, reject & more
-        r = (p - q).clamp_min(0.0)
-        mass = _fixed_point_mass(r)
-        empty = r.sum(dim=-1, keepdim=True) <= 0  # p == q on the support: fall back to p
-        w = torch.where(leaf[:, None], p_child, torch.where(empty, p, r))
-        final = torch.where(leaf | last, (w / noise).argmax(dim=-1), final)
-        renorm = (cont[:, None] & (mass > 0))
-        p = torch.where(accept[:, None], p_child, torch.where(renorm, r / mass, p))
+        p_child = target_probs[rows, c + 1] if _runs(accept) else p
+        if _runs(leaf | last):
+            empty = r.sum(dim=-1, keepdim=True) <= 0  # p == q on the support: fall back to p
+            w = torch.where(leaf[:, None], p_child, torch.where(empty, p, r))
+            final = torch.where(leaf | last, (w / noise).argmax(dim=-1), final)
+        if _runs(cont):
+            mass = _fixed_point_mass(r)
+            p = torch.where(cont[:, None] & (mass > 0), r / mass, p)
+        p = torch.where(accept[:, None], p_child, p)
         slot = torch.where(accept, child + 1, slot)
         sib = torch.where(accept, 0, torch.where(cont, sib + 1, sib))
         active = active & ~(leaf | last)

@@ -104,9 +104,9 @@ def test_parity_cases_take_every_kind_of_step(drafter, greedy, device):
     later = sum(sibling_rank(WIDE, node) > 0 for node in out.path.flatten().tolist() if node >= 0)
     assert later > 0, "no row accepted a sibling after the first"
     if not greedy:  # a row whose walk ended at a node with several children, none accepted
-        ends = [WIDE.path_to(row[-1])[-1] if row else -1 for row in
-                ([n for n in r if n >= 0] for r in out.path.tolist())]
-        assert sum(len(WIDE.children[e + 1]) > 1 for e in ends) > 0
+        ends = [max(row) for row in out.path.tolist()]  # the last accepted node, -1 for the root
+        assert sum(len(WIDE.children[e + 1]) > 1 for e, n in zip(ends, out.num_accepted.tolist())
+                   if n < WIDE.max_depth) > 0
 
 
 def test_parity_when_randoms_come_from_a_generator(device):
@@ -184,44 +184,40 @@ def toy_target(prefix: tuple, V: int) -> torch.Tensor:
     return torch.softmax(torch.randn(V, generator=g) * 3, dim=-1)
 
 
+def greedy_row(tree, V, g):
+    """One row: node tokens that carry plain greedy decoding's continuation on a random part of the tree (stray
+    tokens elsewhere), the toy target at every slot [N+1, V], and what the walk must give: the first
+    n + 1 greedy tokens and the path, the first child in order carrying the greedy token at each step."""
+    greedy = [0]  # the root token, then plain greedy decoding
+    for _ in range(tree.max_depth + 1):
+        greedy.append(toy_target(tuple(greedy), V).argmax().item())
+    x = torch.randint(0, V, (tree.N,), generator=g).tolist()
+    for node in range(tree.N):  # nodes in order: a parent's token is final before its children's
+        on_greedy_branch = all(x[a] == greedy[d + 1] for d, a in enumerate(tree.path_to(node)[:-1]))
+        if on_greedy_branch and torch.rand(1, generator=g).item() < 0.6:
+            x[node] = greedy[tree.depth[node]]
+    target = torch.stack([toy_target(tuple([0] + [x[a] for a in tree.path_to(s - 1)]), V) for s in range(tree.N + 1)])
+    node, n = -1, 0
+    while True:
+        carrying = [c for c in tree.children[node + 1] if x[c] == greedy[n + 1]]
+        if not carrying:
+            return x, target, greedy[1:n + 2], list(tree.path_to(node))
+        node, n = carrying[0], n + 1
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_greedy_emits_what_plain_greedy_decoding_emits(backend, device):
-    """Trees whose branches hold the greedy continuation at random sibling ranks (and stray tokens elsewhere):
-    the emitted tokens are the first num_accepted + 1 tokens of plain greedy decoding, and the path is the
+    """The emitted tokens are the first num_accepted + 1 tokens of plain greedy decoding, and the path is the
     first-in-order branch that carries them."""
-    V, B, tree = 37, 24, WIDE
     g = torch.Generator().manual_seed(seed_of("greedy-walk"))
-    tokens, target = [], []
-    for row in range(B):
-        greedy_seq = [0]  # the root token, then plain greedy decoding
-        for _ in range(tree.max_depth + 1):
-            greedy_seq.append(toy_target(tuple(greedy_seq), V).argmax().item())
-        x = torch.randint(0, V, (tree.N,), generator=g).tolist()
-        for node in range(tree.N):  # the greedy token on a random subset of the nodes whose prefix is greedy
-            depth = tree.depth[node]
-            prefix_ok = all(x[a] == greedy_seq[d + 1] for d, a in enumerate(tree.path_to(node)[:-1]))
-            if prefix_ok and torch.rand(1, generator=g).item() < 0.6:
-                x[node] = greedy_seq[depth]
-        tokens.append(x)
-        target.append(torch.stack([toy_target(tuple([0] + [x[a] for a in tree.path_to(s - 1)]), V)
-                                   for s in range(tree.N + 1)]))
-        n_expected = 0
-        node = -1
-        while True:  # the walk, written out: first child in order carrying the greedy token
-            nxt = [c for c in tree.children[node + 1] if x[c] == greedy_seq[n_expected + 1]]
-            if not nxt:
-                break
-            node, n_expected = nxt[0], n_expected + 1
-        target[-1] = (target[-1], greedy_seq[1:n_expected + 2], tree.path_to(node))
-    x = torch.tensor(tokens, device=device)
-    p = torch.stack([t[0] for t in target]).to(device)
-    out = BACKEND_FNS[backend](tree, x, None, p, greedy=True)
-    for row in range(B):
-        want_tokens, want_path = target[row][1], list(target[row][2])
+    rows = [greedy_row(WIDE, 37, g) for _ in range(24)]
+    x = torch.tensor([r[0] for r in rows], device=device)
+    p = torch.stack([r[1] for r in rows]).to(device)
+    out = BACKEND_FNS[backend](WIDE, x, None, p, greedy=True)
+    for row, (_, _, want_tokens, want_path) in enumerate(rows):
         n = out.num_accepted[row].item()
-        assert out.tokens[row, :n + 1].tolist() == want_tokens, f"row {row}"
-        assert out.path[row, :n].tolist() == want_path and (out.path[row, n:] == -1).all()
-        assert (out.tokens[row, n + 1:] == -1).all()
+        assert out.tokens[row].tolist() == want_tokens + [-1] * (WIDE.max_depth - n), f"row {row}"
+        assert out.path[row].tolist() == want_path + [-1] * (WIDE.max_depth - n), f"row {row}"
     assert len(set(out.num_accepted.tolist())) >= 3, "rows stop at several depths"
 
 
