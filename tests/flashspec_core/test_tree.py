@@ -103,8 +103,8 @@ def test_one_tree_forward_gives_every_path_its_plain_logits():
         cache = model(torch.tensor([context]), use_cache=True).past_key_values
         tree_logits = model(torch.tensor([[root] + tokens]), past_key_values=cache, attention_mask=mask,
                             position_ids=TREE.position_ids(C)[None]).logits[0]
-        plain = torch.stack([model(torch.tensor([context + [root] + [tokens[i] for i in TREE.path_to(s - 1)]])).logits[0, -1]
-                             for s in range(TREE.N + 1)])
+        paths = [context + [root] + [tokens[i] for i in TREE.path_to(s - 1)] for s in range(TREE.N + 1)]
+        plain = torch.stack([model(torch.tensor([seq])).logits[0, -1] for seq in paths])
     diff = (tree_logits - plain).abs().max().item()
     assert diff < 1e-4, f"max |tree - plain| logit difference {diff}"
     # and the mask matters: a causal block over the same tokens differs at the nodes off the first path
