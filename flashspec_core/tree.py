@@ -1,0 +1,137 @@
+"""A draft tree's shape and what every model path derives from it: attention mask, positions, paths, KV compaction.
+
+A round verifies the pending token (the root, not itself a draft) and N drafted nodes below it. The shape is one
+frozen `DraftTree` of parent indices, shared by every row of a batch; the drafted tokens are a [B, N] tensor beside
+it (one token per node and row). Nodes are numbered so that a parent comes before its children, and siblings are
+numbered in the order verification tries them: the drafter puts the sibling with the highest draft probability
+first. A chain of K drafts is the tree with parents [-1, 0, 1, ..., K-2].
+
+Two numberings appear below: node i (0 <= i < N, -1 for the root) and slot i + 1 (slot 0 is the root). Slots are
+the order of the tree block in a forward: the target reads [root, node 0, ..., node N-1] after the context, so
+`target_probs[:, slot]` is the target's distribution after that node, and the cache entry of slot s sits at
+context_len + s.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    parents: tuple[int, ...]  # [N] parent node of each node, -1 for the root's children; parents[i] < i
+
+    def __post_init__(self):
+        object.__setattr__(self, "parents", tuple(int(p) for p in self.parents))
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"parents[{i}] = {p}: a parent must be -1 (the root) or an earlier node in [0, {i})")
+
+    @classmethod
+    def chain(cls, K: int) -> "DraftTree":
+        """K drafts one after another: the chain verifier's case."""
+        return cls(tuple(range(-1, K - 1)))
+
+    @classmethod
+    def full(cls, widths) -> "DraftTree":
+        """Every node at depth d has widths[d] children (the root is depth 0), numbered level by level, so that
+        siblings are consecutive: (2, 2) is two children of the root with two children each, N = 6."""
+        parents: list[int] = []
+        level = [-1]
+        for width in widths:
+            nxt = []
+            for parent in level:
+                for _ in range(width):
+                    parents.append(parent)
+                    nxt.append(len(parents) - 1)
+            level = nxt
+        return cls(tuple(parents))
+
+    @property
+    def N(self) -> int:
+        return len(self.parents)
+
+    @functools.cached_property
+    def depth(self) -> tuple[int, ...]:
+        """[N] depth of each node; the root's children have depth 1."""
+        depth: list[int] = []
+        for p in self.parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return tuple(depth)
+
+    @property
+    def max_depth(self) -> int:
+        """D: the most drafts one round can accept."""
+        return max(self.depth, default=0)
+
+    @functools.cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        """[N+1] per slot (0 = root, i + 1 = node i): its children's node indices, in the order they are tried."""
+        kids: list[list[int]] = [[] for _ in range(self.N + 1)]
+        for i, p in enumerate(self.parents):
+            kids[p + 1].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    @functools.cached_property
+    def paths(self) -> tuple[tuple[int, ...], ...]:
+        """Every root-to-leaf path, as node indices from the root's child down to the leaf, leaves in node order."""
+        return tuple(self.path_to(i) for i in range(self.N) if not self.children[i + 1])
+
+    def path_to(self, node: int) -> tuple[int, ...]:
+        """The nodes from the root's child down to `node` (empty for the root, -1)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return tuple(reversed(path))
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(-1, self.N - 1))
+
+    # -- tensors for the model paths and the verifier ------------------------------------------------------
+
+    @functools.lru_cache(maxsize=8)
+    def child_table(self, device=None) -> torch.Tensor:
+        """[N+1, W] int64: row s lists slot s's children (node indices) in order, padded with -1; W >= 1.
+        Built once per device and shared: read it, do not write to it."""
+        width = max(1, max(len(k) for k in self.children))
+        table = [list(k) + [-1] * (width - len(k)) for k in self.children]
+        return torch.tensor(table, dtype=torch.int64, device=device)
+
+    def parent_slots(self, device=None) -> torch.Tensor:
+        """[N] int64: the slot of each node's parent, i.e. where the target's (and the drafter's) law that the node
+        is tested against sits: target_probs[:, tree.parent_slots()] is [B, N, V]."""
+        return torch.tensor([p + 1 for p in self.parents], dtype=torch.int64, device=device)
+
+    def ancestor_mask(self, device=None) -> torch.Tensor:
+        """[N+1, N+1] bool over slots: [s, t] is True when slot t is slot s itself or one of its ancestors
+        (the root is every slot's ancestor)."""
+        mask = torch.eye(self.N + 1, dtype=torch.bool, device=device)
+        mask[:, 0] = True
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                mask[i + 1] |= mask[p + 1]
+        return mask
+
+    def attention_mask(self, context_len: int, device=None) -> torch.Tensor:
+        """[N+1, context_len+N+1] bool, True where query slot s may attend: the whole context, then its ancestors
+        and itself among the tree's slots (keys are the context, the root, node 0, ..., node N-1)."""
+        context = torch.ones((self.N + 1, context_len), dtype=torch.bool, device=device)
+        return torch.cat([context, self.ancestor_mask(device)], dim=1)
+
+    def position_ids(self, context_len: int, device=None) -> torch.Tensor:
+        """[N+1] int64 per slot: context_len for the root, context_len + depth for node i."""
+        return torch.tensor((0,) + self.depth, dtype=torch.int64, device=device) + context_len
+
+    def kept_slots(self, path: torch.Tensor, context_len: int = 0) -> torch.Tensor:
+        """[B, D+1] int64 from the accepted nodes `path` [B, D] (-1 padded): the cache positions to keep, in
+        order, after acceptance: the root's (context_len), then context_len + 1 + node for each accepted node,
+        then -1. Moving entry k of a row to context_len + k compacts that row's cache onto the accepted path."""
+        if path.dim() != 2 or path.shape[1] != self.max_depth:
+            raise ValueError(f"path must be [B, D] = [B, {self.max_depth}], got {tuple(path.shape)}")
+        root = torch.full_like(path[:, :1], context_len)
+        nodes = torch.where(path >= 0, path + 1 + context_len, torch.full_like(path, -1))
+        return torch.cat([root, nodes], dim=1)

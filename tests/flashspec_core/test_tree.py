@@ -1,0 +1,112 @@
+"""Tests for flashspec_core/tree.py: a draft tree's shape, its attention mask and positions, its paths and the cache
+slots kept after acceptance, on small hand-made trees and the chain; and one tree forward of a tiny Llama that
+gives, at every slot, the logits of a plain forward over the context and that slot's path."""
+import pytest
+import torch
+
+from flashspec_core.tree import DraftTree
+
+# root -+- 0 -+- 2 --- 5
+#       |     +- 3
+#       +- 1 --- 4
+TREE = DraftTree((-1, -1, 0, 0, 1, 2))
+
+
+def test_depths_children_and_paths_of_a_hand_made_tree():
+    assert TREE.N == 6 and TREE.max_depth == 3 and not TREE.is_chain
+    assert TREE.depth == (1, 1, 2, 2, 2, 3)
+    assert TREE.children == ((0, 1), (2, 3), (4,), (5,), (), (), ())  # per slot: root, node 0, ..., node 5
+    assert TREE.paths == ((0, 3), (1, 4), (0, 2, 5))  # leaves 3, 4, 5 in node order
+    assert TREE.path_to(5) == (0, 2, 5) and TREE.path_to(-1) == ()
+    assert TREE.child_table().tolist() == [[0, 1], [2, 3], [4, -1], [5, -1], [-1, -1], [-1, -1], [-1, -1]]
+
+
+def test_full_trees_number_siblings_consecutively_level_by_level():
+    tree = DraftTree.full((2, 2))
+    assert tree.parents == (-1, -1, 0, 0, 1, 1) and tree.children[0] == (0, 1) and tree.max_depth == 2
+    assert DraftTree.full((4, 1)).parents == (-1, -1, -1, -1, 0, 1, 2, 3)
+    assert DraftTree.full((1, 1, 1)) == DraftTree.chain(3) and DraftTree.full(()).N == 0
+    assert TREE.parent_slots().tolist() == [0, 0, 1, 1, 2, 3]
+
+
+def test_a_chain_is_the_special_case():
+    K = 4
+    chain = DraftTree.chain(K)
+    assert chain.parents == (-1, 0, 1, 2) and chain.is_chain and chain.max_depth == K
+    assert chain.paths == ((0, 1, 2, 3),)
+    assert chain.child_table().tolist() == [[0], [1], [2], [3], [-1]]
+    # the tree block's mask is causal and the positions count up: a chain verifies as today
+    assert torch.equal(chain.attention_mask(3), torch.ones(K + 1, 3 + K + 1, dtype=torch.bool).tril(3))
+    assert chain.position_ids(3).tolist() == [3, 4, 5, 6, 7]
+    empty = DraftTree.chain(0)
+    assert empty.N == 0 and empty.max_depth == 0 and empty.paths == () and empty.child_table().tolist() == [[-1]]
+
+
+def test_attention_mask_sees_context_ancestors_and_self():
+    C = 5
+    mask = TREE.attention_mask(C)
+    assert mask.shape == (TREE.N + 1, C + TREE.N + 1) and mask.dtype == torch.bool
+    assert mask[:, :C].all(), "every slot sees the whole context"
+    expected = [  # slots: root, node 0..5
+        [1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0],
+        [1, 0, 1, 0, 0, 1, 0],
+        [1, 1, 0, 1, 0, 0, 1],
+    ]
+    assert mask[:, C:].int().tolist() == expected
+    for node in range(TREE.N):  # the same, from the parent walk
+        seen = {0} | {i + 1 for i in TREE.path_to(node)}
+        assert {t for t in range(TREE.N + 1) if mask[node + 1, C + t]} == seen
+
+
+def test_position_ids_are_context_length_plus_depth():
+    assert TREE.position_ids(10).tolist() == [10, 11, 11, 12, 12, 12, 13]
+    assert TREE.position_ids(0, device="cpu").dtype == torch.int64
+
+
+def test_kept_slots_follow_the_accepted_path_in_order():
+    path = torch.tensor([[0, 2, 5], [1, -1, -1], [-1, -1, -1], [0, 3, -1]])
+    assert TREE.kept_slots(path, context_len=10).tolist() == [
+        [10, 11, 13, 16], [10, 12, -1, -1], [10, -1, -1, -1], [10, 11, 14, -1]]
+    assert TREE.kept_slots(path).tolist()[0] == [0, 1, 3, 6]  # relative to the tree block
+    with pytest.raises(ValueError, match=r"path must be \[B, D\]"):
+        TREE.kept_slots(path[:, :2])
+
+
+@pytest.mark.parametrize("parents", [(0,), (-1, 1), (-1, -2), (-1, 0, 3, 1)])
+def test_a_parent_must_come_before_its_child(parents):
+    with pytest.raises(ValueError, match="a parent must be -1"):
+        DraftTree(parents)
+
+
+def test_the_tree_is_frozen_and_hashable():
+    assert DraftTree([-1, 0]) == DraftTree((-1, 0)) and hash(DraftTree([-1, 0])) == hash(DraftTree.chain(2))
+    with pytest.raises(AttributeError):
+        TREE.parents = (-1,)
+
+
+def test_one_tree_forward_gives_every_path_its_plain_logits():
+    """A tiny Llama reads the context into its cache, then the root and the nodes in one forward with the tree
+    mask and positions: the logits at each slot equal a plain causal forward over context + root + that slot's
+    path (what the verifier's target_probs must hold)."""
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(50, seed=3)
+    context, root, tokens = [3, 7, 1, 9], 4, [11, 12, 13, 14, 15, 16]
+    C = len(context)
+    allowed = TREE.attention_mask(C)
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]  # [1, 1, N+1, C+N+1]
+    with torch.no_grad():
+        cache = model(torch.tensor([context]), use_cache=True).past_key_values
+        tree_logits = model(torch.tensor([[root] + tokens]), past_key_values=cache, attention_mask=mask,
+                            position_ids=TREE.position_ids(C)[None]).logits[0]
+        paths = [context + [root] + [tokens[i] for i in TREE.path_to(s - 1)] for s in range(TREE.N + 1)]
+        plain = torch.stack([model(torch.tensor([seq])).logits[0, -1] for seq in paths])
+    diff = (tree_logits - plain).abs().max().item()
+    assert diff < 1e-4, f"max |tree - plain| logit difference {diff}"
+    # and the mask matters: a causal block over the same tokens differs at the nodes off the first path
+    causal = model(torch.tensor([context + [root] + tokens])).logits[0, C:]
+    assert (causal - plain).abs().amax(-1)[[3, 5, 6]].min() > 1e-3
