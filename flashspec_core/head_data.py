@@ -95,11 +95,11 @@ class RowTemperature:
 
 @torch.inference_mode()
 def generate(model, tokenizer, texts: list[str], max_new: int, temperature, batch: int,
-             static: bool = False) -> list[list[int]]:
+             static: bool = False, calls: list | None = None) -> list[list[int]]:
     """Continue each text (already in chat form) at its temperature (one float, or one per text; 0 = greedy);
     returns the new ids, cut after the first end-of-turn token. Texts are batched by length. `static`: a static
     KV cache with every batch padded to `batch` rows and its prompts to one of WIDTHS (longer prompts get no
-    answer, []), so a large batch decodes at two shapes."""
+    answer, []), so a large batch decodes at two shapes. `calls`, if given, gets one record per generate() call."""
     temps = [float(temperature)] * len(texts) if isinstance(temperature, (int, float)) else list(temperature)
     enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
     order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
@@ -114,8 +114,12 @@ def generate(model, tokenizer, texts: list[str], max_new: int, temperature, batc
         rows = batch if not static else max(8, min(batch, batch * 640 // (width + max_new)))
         chunk = [i for i in order[at:at + rows] if len(enc[i]) <= width or not static]
         at += len(chunk) if static else rows
+        t0 = time.perf_counter()
         answers = _generate_rows(model, [enc[i] for i in chunk], [temps[i] for i in chunk], max_new,
                                  rows if static else 0, width if static else 0)
+        if calls is not None:  # where the time goes: one record per generate() call
+            calls.append({"width": width, "rows": len(chunk), "batch": rows, "steps": max(map(len, answers), default=0),
+                          "new": sum(map(len, answers)), "seconds": time.perf_counter() - t0})
         for i, answer in zip(chunk, answers):
             out[i] = answer
     return out
@@ -174,6 +178,7 @@ class Gen:
         self.max_new = max_new  # no call makes more new tokens per text than this
         self.before, self.after = chat_prefix(tokenizer)
         self.tokens = 0  # new tokens made so far (answers only, end of turn included)
+        self.calls: list[dict] = []  # one record per generate() call: width, rows, steps, new tokens, seconds
 
     def __call__(self, users: list[str], max_new: int, temperature: float) -> list[list[int]]:
         """The target's answers to single user turns."""
@@ -184,9 +189,22 @@ class Gen:
         return [self.before + u + self.after for u in users]
 
     def continue_texts(self, texts: list[str], max_new: int, temperature) -> list[list[int]]:
-        out = generate(self.model, self.tokenizer, texts, min(max_new, self.max_new), temperature, self.batch, self.static)
+        out = generate(self.model, self.tokenizer, texts, min(max_new, self.max_new), temperature, self.batch, self.static,
+                       self.calls)
         self.tokens += sum(map(len, out))
         return out
+
+    def where_time_went(self) -> str:
+        """Per prompt width: calls, seconds (the first call, with its compile, apart), new tokens per second, and
+        how full the rows were (new tokens over rows x steps)."""
+        parts = []
+        for width in sorted({c["width"] for c in self.calls}):
+            cs = [c for c in self.calls if c["width"] == width]
+            secs, new = sum(c["seconds"] for c in cs), sum(c["new"] for c in cs)
+            fill = new / max(1, sum(c["batch"] * c["steps"] for c in cs))
+            parts.append(f"width {width}: {len(cs)} calls, {secs:.0f} s (first {cs[0]['seconds']:.0f} s), "
+                         f"{new / max(secs, 1e-9):.0f} new tokens/s, rows {fill:.0%} full")
+        return "; ".join(parts)
 
     def text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True).strip()

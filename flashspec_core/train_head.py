@@ -355,7 +355,7 @@ def make_corpus(gen: Gen, cfg: TrainConfig, folder: Path, log=print) -> Corpus:
         answers = sum(len(s) - b for p in parts for s, b in zip(p.sequences, p.starts))
         spent = time.monotonic() - t0
         log(f"round {at // cfg.round_answers}: {sum(map(len, parts))} answers, {answers} answer tokens in {spent:.0f} s "
-            f"({(gen.tokens - made) / (time.monotonic() - t_answers):.0f} new tokens/s answering)")
+            f"({(gen.tokens - made) / (time.monotonic() - t_answers):.0f} new tokens/s answering); {gen.where_time_went()}")
     return merge(parts)
 
 

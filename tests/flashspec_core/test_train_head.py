@@ -140,3 +140,12 @@ def test_init_takes_a_shipped_heads_trainable_weights_whatever_its_vocabulary(ti
     assert torch.equal(head.fc.weight, donor.fc.weight.to(torch.bfloat16).float())  # shipped in bfloat16
     assert torch.equal(head.draft_ids, new_head(model, corpus, CFG, [2]).draft_ids)  # its own vocabulary
     assert meta["init"] == str(tmp_path / "donor") and meta["curve"] == []
+
+
+def test_gen_records_each_generate_call(tiny):
+    gen = Gen(*tiny, 8, True, 6)
+    gen([f"Name a river, number {i}." for i in range(10)], 6, 0.0)
+    assert len(gen.calls) == 2  # ten prompts at a batch of eight: two calls at one width
+    assert sum(c["new"] for c in gen.calls) == gen.tokens > 0
+    assert all(c["steps"] <= 6 and c["rows"] <= c["batch"] and c["seconds"] > 0 for c in gen.calls)
+    assert gen.where_time_went().startswith(f"width {gen.calls[0]['width']}: 2 calls")
