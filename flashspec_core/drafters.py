@@ -8,8 +8,10 @@
 
 `hidden` is given only to drafters whose `aux_layers` names target layers (the draft head): the target's
 residual streams entering those layers, [B, n, len(aux_layers) * H], for the positions that became certain
-(in `start`, the prompt but its last token; in `observe`, the round's pending token and accepted drafts).
-Everyone else gets None and pays nothing for it.
+(in `start`, the prompt but its last token; in `observe`, the round's pending token and accepted drafts), after
+every round whichever drafter was pulled. Everyone else gets None and pays nothing for it. Such a drafter may
+keep `guess` [B] (device): the token it would draft first at the current context, which the engine scores it
+by when another arm is pulled.
 
 A deterministic drafter has q = one-hot at its token; the verifier then accepts with probability p(x).
 Model-free drafters also expose `propose_ids(row, k)`, which the engine uses to score them
@@ -38,6 +40,7 @@ class Drafter:
     model_free = True  # proposals are a pure function of the context
     aux_layers: tuple[int, ...] = ()  # target layers whose input hidden states this drafter reads
     sets_length = False  # True: propose(rows, k) picks its own length <= k, so gamma "auto" hands it the largest k
+    guess: torch.Tensor | None = None  # [B] a hidden-state reader's first draft token at the current context
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
