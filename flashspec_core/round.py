@@ -18,8 +18,9 @@ Shaped for capture (the eager path here is the specification: a captured round m
 - The pending token (the last emitted id, which the next verify feeds first) stays on the device: `launch`
   gathers it from the accept test's output at the shortest accepted count, itself a device tensor. The host's
   rows reach the device only through `start` and the model-free drafters' proposals.
-- The hidden-state readers get every verify forward's features (`observe`), whatever arm was pulled; a reader
-  that keeps a first-pass guess (`Drafter.guess`, a device tensor) has it ride in the next round's host copy.
+- The draft head reads every verify forward (`observe` with the target's hidden states, whatever arm was
+  pulled) and runs its first pass at once, so a head draft is K - 1 chained steps from state already on the
+  device, and its first-pass guess (`Drafter.guess`, a device tensor) rides in the next round's host copy.
 
 Left for the GPU session (issue 15, items 1 and 2), per draft-length bucket K, captured at load time:
 - one CUDA graph for `launch` with the head pulled: its K draws and K - 1 chained steps (`DraftHeadDrafter.
