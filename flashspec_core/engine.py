@@ -35,8 +35,9 @@ from flashspec_core.sampling import SamplingConfig
 from flashspec_core.stream import GenerationResult, Played, RoundEvent, RoundOutput, StreamState, TokenSpan
 from kernels import resolve_backend
 
+# the names other modules import from here (the event types and `summarize` live in stream.py and events.py)
 __all__ = ["DRAFT_HEAD", "HEADS", "MODES", "NAMED_DRAFTERS", "PRESETS", "Engine", "EngineBusyError", "GenerationResult",
-           "RoundEvent", "RoundOutput", "TokenSpan", "check_same_vocabulary", "head_for", "paths", "summarize"]  # the names other modules import from here
+           "RoundEvent", "RoundOutput", "TokenSpan", "check_same_vocabulary", "head_for", "paths", "summarize"]
 
 DRAFT_HEAD = "draft_head"  # a drafter entry: the trained head shipped for the target (see HEADS)
 NAMED_DRAFTERS = (*MODEL_FREE, DRAFT_HEAD)  # drafter entries that are names, not model ids

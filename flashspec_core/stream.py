@@ -85,7 +85,7 @@ class Played:
 
 @dataclass
 class Counterfactual:
-    """What a model-free arm that was not pulled would have proposed, waiting for the tokens that decide it."""
+    """What an arm that was not pulled would have proposed, waiting for the tokens that decide it."""
     arm: str
     proposal: list[int]
     seen: list[int]  # the tokens emitted since it was made
