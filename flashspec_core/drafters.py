@@ -8,8 +8,10 @@
 
 `hidden` is given only to drafters whose `aux_layers` names target layers (the draft head): the target's
 residual streams entering those layers, [B, n, len(aux_layers) * H], for the positions that became certain
-(in `start`, the prompt but its last token; in `observe`, the round's pending token and accepted drafts).
-Everyone else gets None and pays nothing for it.
+(in `start`, the prompt but its last token; in `observe`, the round's pending token and accepted drafts), after
+every round whichever drafter was pulled. Everyone else gets None and pays nothing for it. Such a drafter may
+keep `guess` [B] (device): the token it would draft first at the current context, which the engine scores it
+by when another arm is pulled.
 
 A deterministic drafter has q = one-hot at its token; the verifier then accepts with probability p(x).
 Model-free drafters also expose `propose_ids(row, k)`, which the engine uses to score them
@@ -38,6 +40,7 @@ class Drafter:
     model_free = True  # proposals are a pure function of the context
     aux_layers: tuple[int, ...] = ()  # target layers whose input hidden states this drafter reads
     sets_length = False  # True: propose(rows, k) picks its own length <= k, so gamma "auto" hands it the largest k
+    guess: torch.Tensor | None = None  # [B] a hidden-state reader's first draft token at the current context
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -401,10 +404,12 @@ class DraftModel(Drafter):
 class DraftHeadDrafter(Drafter):
     """An EAGLE-3 style head (`flashspec_core.draft_head`) over the target's hidden states, with its own KV cache.
 
-    Features of verified positions arrive through `start`/`observe` and wait in `pending`; `propose` runs them
-    through the head in one pass (its cache keeps those slots), then feeds its own output back for the
-    remaining K - 1 tokens and rolls those K - 1 slots back. It samples from exactly the q it reports: the
-    head's distribution over its draft vocabulary, placed at the target ids (zero elsewhere).
+    It is always current: the features of verified positions arrive through `start` and every round's `observe`
+    (whatever arm was pulled) and go through the head's first pass at once; its cache keeps those slots, and the
+    pass's last output gives the next draft's first token (`guess`: its top token). `propose` draws that token,
+    feeds its own output back for the remaining K - 1 tokens and rolls those K - 1 slots back, so switching to
+    the head after other arms costs no catching up. It samples from exactly the q it reports: the head's
+    distribution over its draft vocabulary, placed at the target ids (zero elsewhere).
     """
 
     name = "draft_head"
@@ -421,36 +426,41 @@ class DraftHeadDrafter(Drafter):
         self.aux_layers = head.cfg.aux_layers
         self.dtype = next(head.parameters()).dtype
         self.sampling, self.generator = SamplingConfig(), None
-        self.cache, self.pending = None, None
+        self.cache = None
+        self.h: torch.Tensor | None = None  # [B, 1, H] the first pass's output at the last verified slot
+        self.logits: torch.Tensor | None = None  # [B, draft V] float32: the next draft token's logits
 
     def start(self, rows, sampling, generator, hidden=None):
         self.sampling, self.generator = sampling, generator
         self.cache = HeadCache(self.head.cfg, len(rows), max(64, 2 * len(rows[0])), self.device, self.dtype)
-        self.pending = None
+        self.h = self.logits = self.guess = None
         self.observe(rows, len(rows[0]), hidden)
 
+    @torch.inference_mode()
     def observe(self, rows, kept, hidden=None):
+        """The first pass over the newly verified slots: slot t pairs the features of position t with token t + 1."""
         if hidden is None or hidden.shape[1] == 0:
             return
-        hidden = hidden.to(self.dtype)
-        self.pending = hidden if self.pending is None else torch.cat([self.pending, hidden], dim=1)
+        s, n = self.cache.length, hidden.shape[1]
+        following = torch.tensor([r[s + 1:s + 1 + n] for r in rows], device=self.device)  # token t + 1 of each slot
+        self.h = self.head.step(self.cache, following, self.head.fuse(hidden.to(self.dtype)))[:, -1:]  # [B, 1, H]
+        self.logits = self.head.logits(self.h[:, -1], self.limit).float()  # draft vocabulary
+        self.guess = self.ids[self.logits.argmax(dim=-1)]  # [B]
 
     @torch.inference_mode()
     def propose(self, rows, k):
         B = len(rows)
-        if k == 0 or self.pending is None:  # nothing verified since the last draft: a plain round
+        if k == 0 or self.h is None:  # no verified features yet (a one-token prompt): a plain round
             return Proposal(torch.empty((B, 0), dtype=torch.int64, device=self.device), None)
-        s, n = self.cache.length, self.pending.shape[1]
-        following = torch.tensor([r[s + 1:s + 1 + n] for r in rows], device=self.device)  # token t + 1 of each slot
-        h = self.head.step(self.cache, following, self.head.fuse(self.pending))[:, -1:]  # [B, 1, H]
-        self.pending, verified = None, self.cache.length
+        verified, h, logits = self.cache.length, self.h, self.logits
         tokens, qs = [], []
         for i in range(k):
-            index, q = draw(self.head.logits(h[:, -1], self.limit).float(), self.sampling, self.generator)  # draft vocabulary
+            index, q = draw(logits, self.sampling, self.generator)
             tokens.append(self.ids[index])
             qs.append(q)
             if i + 1 < k:
                 h = self.head.step(self.cache, tokens[-1][:, None], h)
+                logits = self.head.logits(h[:, -1], self.limit).float()
         self.cache.crop(verified)  # the draft slots go; the verified ones stay
         q = None if self.sampling.greedy else self._widen(torch.stack(qs, dim=1))
         return Proposal(torch.stack(tokens, dim=1), q)

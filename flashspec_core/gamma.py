@@ -9,6 +9,7 @@ of its prompt, settings and seed.
 from __future__ import annotations
 
 MAX_GAMMA = 32
+MAX_AUTO_GAMMA = 16  # the largest K that gamma "auto" chooses (and that a stream captures graphs for)
 
 
 class CostModel:

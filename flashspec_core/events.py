@@ -1,0 +1,94 @@
+"""From a round's host numbers to what a stream yields: where the stream stops (end of turn, length), the
+`RoundEvent` with its display spans and decoded text pieces, and the stats of a list of events (`summarize`).
+Python only; the tokenizer is the one outside object it calls.
+"""
+from __future__ import annotations
+
+import time
+
+from flashspec_core.stream import Played, RoundEvent, StreamState, TokenSpan
+
+
+class EventBuilder:
+    """Stop checks and events of an engine's streams, with its tokenizer (None: empty text) and end-of-turn ids."""
+
+    def __init__(self, tokenizer, eos_ids: set[int]):
+        self.tokenizer, self.eos_ids = tokenizer, eos_ids
+
+    def finish(self, emitted: list[int], produced: int, max_new_tokens: int) -> tuple[str | None, list[int]]:
+        """("eos" | "length" | None, the emitted ids that count): cut after an end-of-turn id or at the length."""
+        for i, t in enumerate(emitted):
+            if t in self.eos_ids:
+                return "eos", emitted[:i + 1]
+        if produced + len(emitted) >= max_new_tokens:
+            return "length", emitted[:max_new_tokens - produced]
+        return None, emitted
+
+    def event(self, s: StreamState, played: Played, finished: str | None) -> RoundEvent:
+        """The round's event; `played.emitted` is what counts (after `finish`), s.produced already includes it."""
+        out, emitted = played.out, played.emitted
+        K, n = len(out.draft), out.num_accepted[0]
+        accepted = tuple(emitted[:n])
+        last = emitted[n] if len(emitted) > n else None
+        kinds = ["accepted"] * len(accepted) + ["rejected"] * (K - n)
+        ids = list(accepted) + out.draft[n:]
+        ps, qs = out.p[:len(accepted)] + out.p[n:K], out.q[:len(accepted)] + out.q[n:K]
+        if last is not None:
+            kinds.append("plain" if K == 0 else "bonus" if n == K else "resampled")  # K = 0 is a plain step
+            ids.append(last)
+            ps.append(out.p[K])
+            qs.append(None)
+        pieces = self.pieces(played.before, list(accepted), out.draft[n:], [last] if last is not None else [])
+        spans = tuple(TokenSpan(*fields) for fields in zip(kinds, ids, pieces, ps, qs))
+        return RoundEvent(index=s.index, mode=s.mode, drafter=played.arm, gamma=K, accepted=accepted,
+                          rejected=tuple(out.draft[n:]), resampled=last if last is not None and n < K else None,
+                          bonus=last if last is not None and n == K else None, spans=spans,
+                          text="".join(span.text for span in spans if span.kind != "rejected"),
+                          draft_s=out.draft_s, verify_s=out.verify_s, round_s=out.draft_s + out.verify_s,
+                          elapsed_s=time.perf_counter() - s.t_start, new_tokens=s.produced,
+                          arms=s.bandit.state() if s.bandit else (), finished=finished, prefill_s=s.prefill_s)
+
+    def pieces(self, before: list[int], accepted: list[int], rejected: list[int], final: list[int]) -> list[str]:
+        """Decoded text of each display token, each decoded after the accepted prefix it follows."""
+        if self.tokenizer is None:
+            return [""] * (len(accepted) + len(rejected) + len(final))
+
+        def run(prefix, new):
+            out, prev = [], self.tokenizer.decode(prefix)
+            for t in new:
+                prefix = prefix + [t]
+                cur = self.tokenizer.decode(prefix)
+                out.append(cur[len(prev):] if cur.startswith(prev) else self.tokenizer.decode([t]))
+                prev = cur
+            return out
+
+        tail = before[-4:]  # a little context so that leading spaces decode as they will in the text
+        base = tail + accepted
+        return run(tail, accepted) + run(base, rejected) + run(base, final)
+
+
+def summarize(events: list[RoundEvent]) -> dict:
+    """Stats of a (finished or partial) stream: tok/s (prefill included), acceptance, tokens per target forward..."""
+    tokens = sum(len(e.emitted) for e in events)
+    proposed = sum(e.gamma for e in events)
+    accepted = sum(len(e.accepted) for e in events)
+    elapsed = events[-1].elapsed_s if events else 0.0
+    decode_s = sum(e.round_s for e in events)
+    pulls = {}
+    for e in events:
+        pulls[e.drafter] = pulls.get(e.drafter, 0) + 1
+    return {
+        "new_tokens": tokens,
+        "rounds": len(events),
+        "target_forwards": len(events),  # one verify forward per round (prefill not counted)
+        "tok_per_s": tokens / elapsed if elapsed else 0.0,
+        "decode_tok_per_s": tokens / decode_s if decode_s else 0.0,
+        "acceptance": accepted / proposed if proposed else 0.0,
+        "tokens_per_forward": tokens / len(events) if events else 0.0,
+        "proposed": proposed,
+        "accepted": accepted,
+        "elapsed_s": elapsed,
+        "prefill_s": events[0].prefill_s if events else 0.0,
+        "pulls": pulls,
+        "finished": events[-1].finished if events else None,
+    }

@@ -1,0 +1,102 @@
+"""The host policy: which arm drafts each round and how many tokens (K), and what each round teaches: the arms'
+acceptance and the bandit's rewards, for the arm that was pulled and, counterfactually, for the others. Python
+only: it reads the host numbers a round returns (`stream.Played`) and the costs `Engine.calibrate` measured
+once, never a tensor, so a stream is a function of its prompt, settings and seed.
+"""
+from __future__ import annotations
+
+from flashspec_core.bandit import speed_reward
+from flashspec_core.drafters import Drafter, NoDraft
+from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, best_gamma
+from flashspec_core.stream import Counterfactual, Played, StreamState
+
+
+class HostPolicy:
+    """Arm and K choices and rewards over an engine's drafters, from the machine's measured costs."""
+
+    def __init__(self, drafters: dict[str, Drafter]):
+        self.drafters = drafters
+        self.costs = CostModel()  # the target's forward seconds by tokens fed, measured once (`set_costs`)
+        self.draft_steps = {NoDraft.name: 0.0}  # seconds per drafted token, per drafter, measured likewise
+        for d in drafters.values():
+            if d.sets_length:
+                d.costs = self.costs  # such a drafter sizes its drafts from this machine's measured costs
+
+    @property
+    def calibrated(self) -> bool:
+        return bool(self.costs.seconds)
+
+    def set_costs(self, costs: CostModel) -> None:
+        self.costs = costs
+        for d in self.drafters.values():
+            if d.sets_length:
+                d.costs = costs
+
+    # -- before a round ------------------------------------------------------------------------------
+    def choose(self, s: StreamState) -> str:
+        return s.bandit.select() if s.bandit else s.arms[0]
+
+    def gamma(self, s: StreamState, arm: str, limit: int) -> int:
+        """K for this round: a fixed gamma, or for "auto" the K that maximises expected tokens per second from the
+        arm's acceptance; a drafter that sets its own draft length (<= K, from the measured costs) gets the
+        largest K under "auto"."""
+        gamma = s.gamma
+        if gamma == "auto":
+            drafter = self.drafters[arm]
+            gamma = MAX_AUTO_GAMMA if drafter.sets_length else best_gamma(s.acceptance[arm].rate, self.draft_steps[arm],
+                                                                         self.costs, MAX_AUTO_GAMMA)
+        return max(0, min(gamma, limit))
+
+    # -- after a round -------------------------------------------------------------------------------
+    def learn(self, s: StreamState, played: Played) -> None:
+        """The pulled arm's acceptance, the bandit's reward (tokens emitted over the round's cost as calibrated,
+        not as timed: the same tokens always earn the same reward), the other arms' counterfactual scores."""
+        K, n = len(played.out.draft), played.out.num_accepted[0]
+        s.acceptance[played.arm].observe(n, K)
+        if s.bandit:
+            ref = 1.0 / max(self.costs.plain_step(), 1e-9)
+            s.bandit.update(played.arm, speed_reward(len(played.emitted) / max(self.cost(played.arm, K), 1e-9), ref))
+            self._score_counterfactuals(s, played, ref)
+
+    def _score_counterfactuals(self, s: StreamState, played: Played, ref: float) -> None:
+        """Score the arms that were not pulled against the tokens the target actually emitted.
+
+        What each would have proposed at the pre-round context (`_proposal`) is kept until later rounds show how
+        far the target would have accepted it (its first mismatch, or all of it); it then scores as (matching
+        prefix + 1) tokens at the calibrated cost of a round that drafts len(proposal) tokens. Free: no target
+        forward, and no guess for the part of a long proposal that a short round does not reveal (a proposal the
+        stream ends before resolving is dropped). The open proposals live in the stream's state.
+        """
+        for c in s.open:
+            c.seen.extend(played.emitted)  # the tokens emitted since each open proposal was made
+        for arm in s.arms:
+            proposal = None if arm == played.arm else self._proposal(s, arm, played)
+            if proposal is not None:
+                s.open.append(Counterfactual(arm, proposal, list(played.emitted)))
+        still_open = []
+        for c in s.open:
+            m, known = 0, min(len(c.proposal), len(c.seen))
+            while m < known and c.proposal[m] == c.seen[m]:
+                m += 1
+            if m == known < len(c.proposal):  # everything seen so far matched; the rest is not known yet
+                still_open.append(c)
+                continue
+            s.acceptance[c.arm].observe(m, len(c.proposal))
+            seconds = self.cost(c.arm, len(c.proposal))
+            s.bandit.update(c.arm, speed_reward((m + 1) / max(seconds, 1e-9), ref), pulled=False)
+        s.open = still_open
+
+    def _proposal(self, s: StreamState, arm: str, played: Played) -> list[int] | None:
+        """What an arm that was not pulled would have proposed at the pre-round context: a model-free arm's draft
+        (cut to the K it would have had), a hidden-state reader's first-pass guess (one token: its next ones would
+        cost head steps), or None (a draft model: scoring it would cost its forwards)."""
+        drafter = self.drafters[arm]
+        if drafter.model_free:
+            return drafter.propose_ids(played.before, self.gamma(s, arm, played.limit))
+        if arm in played.out.guesses:
+            return [played.out.guesses[arm]][:played.limit]
+        return None
+
+    def cost(self, arm: str, K: int) -> float:
+        """A round's seconds as calibrated: K draft steps of the arm and a target forward over K + 1 tokens."""
+        return K * self.draft_steps[arm] + self.costs.forward(K + 1)
