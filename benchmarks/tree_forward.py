@@ -6,7 +6,8 @@
 The embedded model (SmolLM2-135M) on the CPU; gguf = its own Q4_1 weights (the CPU default). Each row is the
 median over --reps calls of one forward from the same cache length (the cache is cropped back before each), tokens
 drawn at random. The chain runs twice: through `forward` (the chain path) and as a chain tree through
-`forward_tree` (what the tree mask costs by itself). Writes JSON under benchmarks/results/ and prints a table.
+`forward_tree` (what the tree mask costs by itself); two trees run again with one slot's logits (logits_to_keep=1),
+which leaves the layers' share of the cost. Writes JSON under benchmarks/results/ and prints a table.
 Numbers, not assertions.
 """
 from __future__ import annotations
@@ -24,23 +25,25 @@ from flashspec_core.fast_path import StaticCausalLM
 from flashspec_core.models import embedded_gguf, load_model
 from flashspec_core.tree import DraftTree
 
-TREES = {  # name -> (tree or None for a plain forward of N + 1 tokens, N)
-    "1 token (forward)": (None, 0),
-    "chain 8 (forward)": (None, 8),
-    "chain 8 (forward_tree)": (DraftTree.chain(8), 8),
-    "tree 2x3": (DraftTree.full((2, 3)), 8),
-    "tree 4x3": (DraftTree.full((4, 3)), 16),
-    "tree 4x7": (DraftTree.full((4, 7)), 32),
+TREES = {  # name -> (tree or None for a plain forward of N + 1 tokens, N, logits_to_keep)
+    "1 token (forward)": (None, 0, 0),
+    "chain 8 (forward)": (None, 8, 0),
+    "chain 8 (forward_tree)": (DraftTree.chain(8), 8, 0),
+    "tree 2x3": (DraftTree.full((2, 3)), 8, 0),
+    "tree 4x3": (DraftTree.full((4, 3)), 16, 0),
+    "tree 4x7": (DraftTree.full((4, 7)), 32, 0),
+    "tree 2x3, 1 slot's logits": (DraftTree.full((2, 3)), 8, 1),  # the LM head on one row: the layers' share
+    "tree 4x7, 1 slot's logits": (DraftTree.full((4, 7)), 32, 1),
 }
 
 
-def time_call(lm, context: int, ids: torch.Tensor, tree: DraftTree | None, reps: int) -> float:
+def time_call(lm, context: int, ids: torch.Tensor, tree: DraftTree | None, keep: int, reps: int) -> float:
     """Median ms of one forward (or forward_tree) of ids [1, T] from a cache of `context` tokens."""
     times = []
     for _ in range(reps + 1):  # the first call warms up
         lm.crop(context)
         t0 = time.perf_counter()
-        lm.forward(ids) if tree is None else lm.forward_tree(ids, tree)
+        lm.forward(ids, keep) if tree is None else lm.forward_tree(ids, tree, keep)
         times.append(1e3 * (time.perf_counter() - t0))
     return median(times[1:])
 
@@ -73,9 +76,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     lm.forward(torch.randint(0, lm.vocab_size, (1, args.context)))
     rows = []
-    for name, (tree, N) in TREES.items():
+    for name, (tree, N, keep) in TREES.items():
         ids = torch.randint(0, lm.vocab_size, (1, N + 1))
-        rows.append({"name": name, "nodes": N, "tokens": N + 1, "ms": time_call(lm, args.context, ids, tree, args.reps)})
+        ms = time_call(lm, args.context, ids, tree, keep, args.reps)
+        rows.append({"name": name, "nodes": N, "tokens": N + 1, "logits_to_keep": keep, "ms": ms})
     for row in rows:
         row["x_one_token"] = row["ms"] / rows[0]["ms"]
     compact_ms = time_compact(lm, args.context, TREES["tree 4x7"][0], args.reps)
