@@ -8,8 +8,10 @@ for q/k/v and one for gate/up (over concatenated copies of those weights, about 
 extra; `fuse=False` shares the HF weights instead), residual adds inside the o and down GEMMs (beta = 1),
 the attention scale and mask inside the scores GEMM, softmax rounding straight to the model dtype.
 Rollback is moving `length` back: attention masks every cache slot past each query's position, so stale
-entries are never read and are overwritten by the next forward. Positions and lengths live on the host;
-nothing in `forward` or `crop` waits for the device.
+entries are never read and are overwritten by the next forward. A draft tree (`forward_tree`) runs the same
+layers under the tree's mask; `compact` then moves the accepted path's entries together before that roll-back.
+Positions and lengths live on the host; nothing in `forward` or `crop` waits for the device (`compact` reads the
+kept positions on the host).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from flashspec_core.gguf_weights import PACKED, GGUFFile, Int4Weight, Int8Weight, int8_rows
 from flashspec_core.models import CausalLM
+from flashspec_core.tree import compaction
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies fixed at init (no seq_len-dependent update)
@@ -268,10 +271,7 @@ class StaticCausalLM:
         B, T = ids.shape
         if T < 1:
             raise ValueError(f"forward needs at least one token, got ids of shape {tuple(ids.shape)}")
-        if B != self.batch:
-            if self.length:
-                raise ValueError(f"batch of {B} rows but the cache holds {self.batch} rows; reset() first")
-            self._allocate(B)
+        self._fit_batch(B)
         start, S = self.length, self.bucket(self.length + T)
         keep = T if logits_to_keep <= 0 else min(logits_to_keep, T)
         if self.use_graphs and T <= self.max_graph_tokens and start > 0:  # a prefill's T is one-off: eager
@@ -298,6 +298,48 @@ class StaticCausalLM:
         """Roll the cache back so that it holds the first `length` tokens (slots past it are masked)."""
         if length < self.length:
             self.length = max(0, length)
+
+    @torch.inference_mode()
+    def forward_tree(self, ids: torch.Tensor, tree, logits_to_keep: int = 0) -> torch.Tensor:
+        """Append a draft tree's slots ids [B, N+1] (the root, then node 0..N-1 of `tree`, a `DraftTree` shared by
+        the rows) at cache slots length..length+N, each attending to the context, its ancestors and itself, at
+        rotary position length + depth; return float32 logits [B, T', V] like `forward` (and its `aux`).
+
+        It runs the same layers as `forward` with the tree's mask in place of the causal one (math attention up to
+        max_graph_tokens slots, as `forward`; the GGUF path's SDPA). Always eager: no CUDA graphs for trees yet (a
+        chain is faster through `forward`, which replays them). Follow with `compact` once the path is known."""
+        T = tree.check_ids(ids)
+        self._fit_batch(ids.shape[0])
+        start, S = self.length, self.bucket(self.length + T)
+        keep = T if logits_to_keep <= 0 else min(logits_to_keep, T)
+        allowed = torch.zeros((T, S), dtype=torch.bool)  # built on the host: one copy to the device
+        allowed[:, :start] = True
+        allowed[:, start:start + T] = tree.ancestor_mask()
+        mask = torch.where(allowed.to(self.device), self.zero, self.neg_inf).repeat(self.n_heads // self.n_kv, 1)
+        rope = tree.position_ids(start).to(self.device)  # [T] rotary positions: start + depth
+        logits, self.aux = self._layers(ids, rope, self.slots[start:start + T], mask, S, keep)
+        self.length += T
+        self.forwards += 1
+        return logits[..., : self.vocab_size].to(torch.float32, copy=True)
+
+    @torch.inference_mode()
+    def compact(self, kept: torch.Tensor) -> None:
+        """Keep only the accepted path of the last tree: kept [B, D+1] cache positions (`DraftTree.kept_slots`, -1
+        padded); entry k of each row moves to kept[:, 0] + k and the length ends after the last kept one, so the
+        cache holds what a chain forward over the accepted path would have left. Every row must keep the same count."""
+        start, index = compaction(kept, self.length)
+        n = index.shape[1]
+        index = index.to(self.device)[None, :, None, :, None].expand(2, self.batch, self.n_kv, n, self.head_dim)
+        for kv in self.kv_cache:  # [2, B, n_kv, capacity, D]: k and v of a layer moved together
+            kv[:, :, :, start:start + n] = kv.gather(3, index)  # gathered into a new tensor first: no overlap
+        self.length = start + n
+
+    def _fit_batch(self, B: int) -> None:
+        """Reallocate for B rows when the batch changes, which an empty cache allows."""
+        if B != self.batch:
+            if self.length:
+                raise ValueError(f"batch of {B} rows but the cache holds {self.batch} rows; reset() first")
+            self._allocate(B)
 
     # ------------------------------------------------------------------------------------------------
     # CUDA graphs
@@ -353,14 +395,20 @@ class StaticCausalLM:
         attention 4 (mask copy + scaled GEMM, softmax, GEMM), o GEMM into the residual 1, norm 2, gate/up GEMM 1,
         SiLU and multiply 2, down GEMM into the residual 1. At T > 1 two reshapes of q and o add a copy each.
         """
+        # GQA without repeating K/V: the R query heads of a kv head become R * T query rows (row r * T + t)
+        visible = self.slots[:S][None, :] <= pos.repeat(self.n_heads // self.n_kv)[:, None]  # [R*T, S]
+        return self._layers(ids, pos, pos, torch.where(visible, self.zero, self.neg_inf), S, keep)
+
+    def _layers(self, ids: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, S: int, keep: int):
+        """`_forward` under any mask: ids [B, T] rotated at positions rope [T], their K/V written to cache slots
+        pos [T], attending over slots [0, S) through the additive mask [R*T, S] (row r * T + t: query head r of
+        each kv head, token t). A chain has rope = pos and the causal mask; a tree's slot s has pos = length + s and
+        rope = length + its depth."""
         B, T = ids.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         R = H // KV  # query heads per kv head
         x = F.embedding(ids, self.embed).view(B * T, -1)  # [B*T, hidden], the residual stream, updated in place
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]  # [T, 1, D]
-        # GQA without repeating K/V: the R query heads of a kv head become R * T query rows (row r * T + t)
-        visible = self.slots[:S][None, :] <= pos.repeat(R)[:, None]  # [R*T, S]
-        mask = torch.where(visible, self.zero, self.neg_inf)
+        cos, sin = self.cos[rope][:, None, :], self.sin[rope][:, None, :]  # [T, 1, D]
         math = self.attention == "math" or (self.attention == "auto" and T <= self.max_graph_tokens)
         columns = self.columns
         aux = {}  # layer -> the residual stream entering it

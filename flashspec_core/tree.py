@@ -126,6 +126,14 @@ class DraftTree:
         """[N+1] int64 per slot: context_len for the root, context_len + depth for node i."""
         return torch.tensor((0,) + self.depth, dtype=torch.int64, device=device) + context_len
 
+    def check_ids(self, ids: torch.Tensor) -> int:
+        """T = N + 1, the slots of a tree forward, after checking that ids [B, T] carry one token per slot."""
+        T = self.N + 1
+        if ids.dim() != 2 or ids.shape[1] != T:
+            raise ValueError(f"a tree of {self.N} nodes needs ids [B, {T}] (the root, then one token per node), "
+                             f"got {tuple(ids.shape)}")
+        return T
+
     def kept_slots(self, path: torch.Tensor, context_len: int = 0) -> torch.Tensor:
         """[B, D+1] int64 from the accepted nodes `path` [B, D] (-1 padded): the cache positions to keep, in
         order, after acceptance: the root's (context_len), then context_len + 1 + node for each accepted node,
@@ -135,3 +143,24 @@ class DraftTree:
         root = torch.full_like(path[:, :1], context_len)
         nodes = torch.where(path >= 0, path + 1 + context_len, torch.full_like(path, -1))
         return torch.cat([root, nodes], dim=1)
+
+
+def compaction(kept: torch.Tensor, length: int) -> tuple[int, torch.Tensor]:
+    """What a model path's `compact` moves: (start, index [B, n] int64 on the host) from kept cache positions
+    [B, D+1] (`DraftTree.kept_slots`, -1 padded) in a cache of `length` tokens. Entry k of each row moves to
+    start + k, start being the root's position (the same in every row). Every row must keep the same count n: the
+    engine advances the rows of a batch together, by the shortest accepted path, and cuts the longer ones to it."""
+    kept = kept.detach().to("cpu", torch.int64)  # a small host copy: lengths are host numbers
+    if kept.dim() != 2 or kept.shape[1] < 1:
+        raise ValueError(f"kept must be [B, D+1] cache positions, got shape {tuple(kept.shape)}")
+    counts = (kept >= 0).sum(1)
+    n = int(counts[0])
+    if not (counts == n).all():
+        raise ValueError(f"every row must keep the same number of slots, got {counts.tolist()}; cut every row to "
+                         f"the shortest accepted path first")
+    index = kept[:, :n]
+    start = int(index[0, 0]) if n else -1
+    if n == 0 or not (index[:, 0] == start).all() or (index.diff(dim=1) <= 0).any() or int(index.max()) >= length:
+        raise ValueError(f"kept positions must start at one root position shared by the rows, increase along each "
+                         f"row, be followed only by -1 and lie below the cache length {length}; got {kept.tolist()}")
+    return start, index
