@@ -333,9 +333,10 @@ def test_two_identical_seeded_configurations_give_the_same_tokens(server, leg):
 def test_the_queue_is_bounded_per_client(server):
     url = server[0]
     codes = []
-    # 32 tokens a run: long enough that no run ends while the 14 joins arrive (a 1-token run on the 4-bit CPU
-    # path can, and each one that ends makes room for one more)
-    body = {"state": None, "prompt": PROMPT, "example": "", "keep_rejected": False, **SETTINGS, "max_new_tokens": 32}
+    # runs long enough that none ends while the 14 joins arrive (each run that ends makes room for one more):
+    # an open request of 96 tokens, not PROMPT, whose copied answer ends after ~15 tokens on the 4-bit CPU path
+    body = {"state": None, "prompt": "Write a long story about a dragon who learns to sing.", "example": "",
+            "keep_rejected": False, **SETTINGS, "max_new_tokens": 96}
     for _ in range(14):  # one client joins many runs at once, never reading
         payload = json.dumps({"data": [body[n] for n in app.RUN_INPUTS], "event_data": None,
                               "fn_index": fn_index(url, "run_stream"), "trigger_id": None,
