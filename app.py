@@ -91,12 +91,14 @@ def wire_events(ui: dict, zero_gpu: bool = False) -> None:
 
 def wire_replay(ui: dict) -> None:
     pick = ["state", "replay_pick"]
-    wire(ui["replay_pick"].input, replay_handlers.replay_pick, ui, pick, REPLAY_OUTPUTS, preprocess=False)
-    wire(ui["replay_step"].click, replay_handlers.replay_step, ui, pick, REPLAY_OUTPUTS, preprocess=False)
-    wire(ui["replay_restart"].click, replay_handlers.replay_restart, ui, pick, REPLAY_OUTPUTS, preprocess=False)
+    play = wire(ui["replay_play"].click, replay_handlers.replay_play, ui, [*pick, "replay_speed"], REPLAY_OUTPUTS,
+                preprocess=False, **REPLAYS)
+    # picking, stepping and restarting stop a play in progress, so that its last frame cannot land after theirs
+    wire(ui["replay_pick"].input, replay_handlers.replay_pick, ui, pick, REPLAY_OUTPUTS, preprocess=False, cancels=[play])
+    wire(ui["replay_step"].click, replay_handlers.replay_step, ui, pick, REPLAY_OUTPUTS, preprocess=False, cancels=[play])
+    wire(ui["replay_restart"].click, replay_handlers.replay_restart, ui, pick, REPLAY_OUTPUTS, preprocess=False,
+         cancels=[play])
     wire(ui["replay_pause"].click, replay_handlers.replay_pause, ui, ["state"], [])
-    wire(ui["replay_play"].click, replay_handlers.replay_play, ui, [*pick, "replay_speed"], REPLAY_OUTPUTS,
-         preprocess=False, **REPLAYS)
     wire(ui["replay_upload"].upload, replay_handlers.replay_load, ui, ["state", "replay_upload"],
          [*REPLAY_OUTPUTS, "replay_pick"], **LOADS)
 
