@@ -208,17 +208,24 @@ class DraftHead(nn.Module):
         return linear(self.norm(h), self.lm_head.weight[:limit], None, self.columns)
 
     # -- inference ----------------------------------------------------------------------------------
-    def step(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def step(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor,
+             positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Append T slots to the cache: tokens [B, T] (token t + 1 of each slot) and hidden [B, T, H] (fused
-        features, or the head's own last output); returns the pre-norm outputs [B, T, H]."""
+        features, or the head's own last output); returns the pre-norm outputs [B, T, H].
+
+        By default slot s of the cache sits at position s and the new slots see every cached slot and each other
+        causally (a chain). A tree level passes its own: positions [T] int64 (a node's depth past the verified
+        slots) and mask [T, length + T] bool, True where a new slot may attend (the cached slots, then the new
+        ones): the verified slots, the node's ancestors and itself."""
         T = tokens.shape[1]
         start = cache.length
-        pos = torch.arange(start, start + T, device=tokens.device)
-        q, k, v = self._qkv(tokens, hidden, pos)
+        if mask is not None and tuple(mask.shape) != (T, start + T):
+            raise ValueError(f"mask must be [T, length + T] = [{T}, {start + T}], got {tuple(mask.shape)}")
+        slots = torch.arange(start, start + T, device=tokens.device)
+        q, k, v = self._qkv(tokens, hidden, slots if positions is None else positions)
         keys, values = cache.append(k, v)
-        mask = None
-        if T > 1:  # causal among the new slots; every cached slot is visible
-            mask = torch.arange(start + T, device=q.device)[None, :] <= pos[:, None]  # [T, start + T]
+        if mask is None and T > 1:  # causal among the new slots; every cached slot is visible
+            mask = torch.arange(start + T, device=q.device)[None, :] <= slots[:, None]  # [T, start + T]
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self._finish(hidden, attended)
 

@@ -27,12 +27,23 @@ from flashspec_core.draft_head import DraftHead, HeadCache
 from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length
 from flashspec_core.models import CausalLM
 from flashspec_core.sampling import SamplingConfig, logits_to_probs, sample
+from flashspec_core.tree import DraftTree
 
 
 @dataclass(frozen=True)
 class Proposal:
     tokens: torch.Tensor  # [B, K] int64 on the engine's device
     q: torch.Tensor | None  # [B, K, V] float32, None when deterministic (or greedy)
+
+
+@dataclass(frozen=True)
+class TreeProposal:
+    """Drafts as a tree (`flashspec_core.tree`): the shape, shared by the batch, and one token per node and row.
+    q follows `kernels.tree_verify`: the law each node was drawn from, None for deterministic children (one-hot q)."""
+    tree: DraftTree
+    tokens: torch.Tensor  # [B, N] int64 on the engine's device, in node order
+    q: torch.Tensor | None  # [B, N, V] float32, None when deterministic (the head's top-k children)
+    score: torch.Tensor  # [B, N] float32: each node's cumulative draft log-probability (sum of log q on its path)
 
 
 class Drafter:
@@ -469,6 +480,91 @@ class DraftHeadDrafter(Drafter):
         """q over the draft vocabulary [B, K, draft V] -> over the target's [B, K, V] (zero outside it)."""
         out = q.new_zeros(*q.shape[:-1], self.vocab_size)
         return out.index_copy_(-1, self.ids, q)
+
+    # -- trees (EAGLE-2's dynamic tree, Li et al. 2024) ----------------------------------------------
+    @torch.inference_mode()
+    def propose_tree(self, rows, depth: int, top_k: int, size: int) -> TreeProposal:
+        """A tree of at most `size` nodes and `depth` levels below the pending token, grown from the current state.
+
+        Level by level, every frontier node gets its top_k tokens under the head as children, scored by cumulative
+        draft log-probability (the parent's plus the child's log q); the top_k best children of the level form the
+        next frontier, which the head runs over in one step with a tree mask in its own cache (a node sees the
+        verified slots, its ancestors and itself). The tree is then the `size` best nodes of all levels (EAGLE-2's
+        rerank; a child never scores above its parent, ties go to the earlier node, so they form a tree), numbered
+        best first: parents come before children and siblings are tried most probable first. The head's cache is
+        cropped back to the verified slots.
+
+        The children are a function of the context (q = None, one-hot at each node's token), which makes tree
+        verification exact at any temperature; the scores use the head's own distribution (temperature 1) and
+        only decide the shape. The shape is shared by a batch, so this drafts for one row (B = 1) only.
+        """
+        self._check_tree(rows, depth, top_k, size)
+        if self.h is None:  # no verified features yet (a one-token prompt): an empty tree, a plain round
+            none = torch.empty((1, 0), device=self.device)
+            return TreeProposal(DraftTree(()), none.long(), None, none)
+        verified = self.cache.length
+        frontier = _Frontier(h=self.h, logits=self.logits, score=self.logits.new_zeros(1),
+                             ids=torch.full((1,), -1, dtype=torch.int64, device=self.device),
+                             seen=torch.zeros((1, 0), dtype=torch.bool, device=self.device))
+        scores, parents, index, count = [], [], [], 0
+        for level in range(1, depth + 1):
+            score, child = frontier.children(top_k)  # [W, k] each
+            scores.append(score.flatten())
+            parents.append(frontier.ids.repeat_interleave(score.shape[1]))
+            index.append(child.flatten())
+            if level < depth:
+                frontier = self._grow(frontier, score, child, count, min(top_k, size), verified + level - 1)
+            count += score.numel()
+        self.cache.crop(verified)  # the tree's slots go; the verified ones stay
+        return self._rerank(torch.cat(scores), torch.cat(parents), torch.cat(index), size)
+
+    def _check_tree(self, rows, depth, top_k, size) -> None:
+        if len(rows) != 1:
+            raise ValueError(f"a draft tree's shape is shared by the batch; propose_tree drafts for one row, "
+                             f"got {len(rows)} rows")
+        for name, value in (("depth", depth), ("top_k", top_k), ("size", size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    def _grow(self, frontier: "_Frontier", score, child, first: int, width: int, position: int) -> "_Frontier":
+        """The next frontier: the `width` best of the level's children (score, child [W, k]; candidate ids from
+        `first`), run through the head in one step at `position`, each seeing the verified slots, its ancestors
+        and itself."""
+        k = score.shape[1]
+        chosen = score.flatten().sort(descending=True, stable=True).indices[:width]  # [W'] ties: earlier first
+        parent = chosen // k
+        tokens = self.ids[child.flatten()[chosen]][None]  # [1, W'] target ids
+        eye = torch.eye(chosen.numel(), dtype=torch.bool, device=self.device)
+        seen = torch.cat([frontier.seen[parent], eye], dim=1)  # [W', S + W'] over the tree's slots in the cache
+        verified = self.cache.length - frontier.seen.shape[1]
+        mask = torch.cat([seen.new_ones(chosen.numel(), verified), seen], dim=1)  # [W', cache length + W']
+        positions = torch.full((chosen.numel(),), position, dtype=torch.int64, device=self.device)
+        h = self.head.step(self.cache, tokens, frontier.h[:, parent], positions, mask)  # [1, W', H]
+        return _Frontier(h=h, logits=self.head.logits(h[0], self.limit).float(), score=score.flatten()[chosen],
+                         ids=first + chosen, seen=seen)
+
+    def _rerank(self, scores, parents, index, size: int) -> TreeProposal:
+        """The `size` best candidates (scores, parents by candidate id, draft-vocabulary index [M]) as a tree,
+        numbered best first (ties: the earlier candidate, so a parent precedes its children)."""
+        order = scores.sort(descending=True, stable=True).indices[:size]
+        node = {c: i for i, c in enumerate(order.tolist())}  # candidate id -> node index (one host sync)
+        tree = DraftTree(tuple(node[p] if p >= 0 else -1 for p in parents[order].tolist()))
+        return TreeProposal(tree, self.ids[index[order]][None], None, scores[order][None])
+
+
+@dataclass(frozen=True)
+class _Frontier:
+    """The nodes of one tree level that the head has run over, for one row."""
+    h: torch.Tensor  # [1, W, H] their head outputs (the root: the first pass's output at the last verified slot)
+    logits: torch.Tensor  # [W, draft V] float32: their children's logits
+    score: torch.Tensor  # [W] float32 cumulative draft log-probability (0 for the root)
+    ids: torch.Tensor  # [W] int64 candidate ids (-1 for the root)
+    seen: torch.Tensor  # [W, S] bool over the tree's S slots in the head's cache: ancestors and itself
+
+    def children(self, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each node's top_k draft-vocabulary indices, best first, and their cumulative scores: [W, k] each."""
+        logq, index = self.logits.log_softmax(dim=-1).topk(min(top_k, self.logits.shape[-1]), dim=-1)
+        return self.score[:, None] + logq, index
 
 
 def draw(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
