@@ -168,30 +168,8 @@ class StaticCausalLM:
         self.path = "static+graphs" if self.use_graphs else f"static ({'columns GEMMs, ' if self.columns else ''}no CUDA graphs)"
         if self.gguf:
             self.path = "static (GGUF Q4_1 weights, bfloat16 activations)"
-
-        self.n_heads = config.num_attention_heads
-        self.n_kv = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
-        self.scaling = self.head_dim ** -0.5
-        self.eps = config.rms_norm_eps
         self.fuse = bool(fuse)
-        self.embed = model.model.embed_tokens.weight
-        self.norm = model.model.norm.weight
-        self.lm_head = model.lm_head.weight  # the embedding itself when tied
-        self.lm_head_bias = getattr(model.lm_head, "bias", None)
-        if self.gguf:
-            self.layers = [_Layer.from_gguf(layer, gguf, i) for i, layer in enumerate(model.model.layers)]
-            with torch.no_grad():
-                self.embed, self.norm = self.embed.float(), self.norm.float()
-                self.lm_head = int8_rows(self.lm_head)  # Q8_0 blocks -> one scale per row: 1.1 ms, bf16 2.7-4.3
-        else:
-            self.layers = [_Layer(layer, self.fuse) for layer in model.model.layers]
-
-        with torch.no_grad():
-            self.slots = torch.arange(self.capacity, device=self.device)  # positions 0..capacity-1, int64
-            self.cos, self.sin = self._rope_tables(model.model.rotary_emb)  # [capacity, D] in the model dtype
-            self.neg_inf = torch.tensor(float("-inf"), dtype=self.dtype, device=self.device)
-            self.zero = torch.tensor(0.0, dtype=self.dtype, device=self.device)
+        self._take_weights(model, gguf)
         self.batch = 0
         self.kv_cache: list[torch.Tensor] = []  # per layer [2, B, n_kv, capacity, D]
         self.k_cache: list[torch.Tensor] = []  # per layer [B, n_kv, capacity, D], views of kv_cache
@@ -203,6 +181,32 @@ class StaticCausalLM:
         self._allocate(1)
         self.length = 0
         self.forwards = 0
+
+    def _take_weights(self, model, gguf: GGUFFile | None) -> None:
+        """The shapes, the weights each product runs on (packed from the GGUF's blocks when given) and the
+        position tables."""
+        config = model.config
+        self.n_heads = config.num_attention_heads
+        self.n_kv = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.scaling = self.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.embed = model.model.embed_tokens.weight
+        self.norm = model.model.norm.weight
+        self.lm_head = model.lm_head.weight  # the embedding itself when tied
+        self.lm_head_bias = getattr(model.lm_head, "bias", None)
+        if self.gguf:
+            self.layers = [_Layer.from_gguf(layer, gguf, i) for i, layer in enumerate(model.model.layers)]
+            with torch.no_grad():
+                self.embed, self.norm = self.embed.float(), self.norm.float()
+                self.lm_head = int8_rows(self.lm_head)  # Q8_0 blocks -> one scale per row: 1.1 ms, bf16 2.7-4.3
+        else:
+            self.layers = [_Layer(layer, self.fuse) for layer in model.model.layers]
+        with torch.no_grad():
+            self.slots = torch.arange(self.capacity, device=self.device)  # positions 0..capacity-1, int64
+            self.cos, self.sin = self._rope_tables(model.model.rotary_emb)  # [capacity, D] in the model dtype
+            self.neg_inf = torch.tensor(float("-inf"), dtype=self.dtype, device=self.device)
+            self.zero = torch.tensor(0.0, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------------------------------------
     # Buffers
