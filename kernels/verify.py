@@ -91,10 +91,9 @@ def verify_torch(
         final = best[rows, num_accepted]
     else:
         p_n = target_probs[rows, num_accepted]  # [B, V]; position K is the bonus position
-        if draft_probs is None:
-            q_n = torch.zeros_like(p_n)
-            has_draft = num_accepted < K
-            q_n[rows[has_draft], draft_tokens[has_draft, num_accepted[has_draft]]] = 1.0
+        if draft_probs is None:  # one-hot at the rejected draft (none after a full accept); no host sync
+            at = draft_tokens.gather(1, num_accepted.clamp(max=K - 1)[:, None]) if K else num_accepted[:, None] * 0
+            q_n = torch.zeros_like(p_n).scatter_(-1, at, (num_accepted < K)[:, None].to(p_n.dtype))
         else:
             q_pad = torch.cat([draft_probs, draft_probs.new_zeros((B, 1, V))], dim=1)  # [B, K+1, V]
             q_n = q_pad[rows, num_accepted]
