@@ -60,3 +60,27 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """One draw per row from [B, V] probabilities (exponential race; no device->host sync)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
+
+
+def sampling_params(cfg: SamplingConfig, device) -> torch.Tensor:
+    """The settings of a sampling `cfg` as a device tensor [3] (temperature, top_k, top_p) for `logits_to_probs_at`:
+    top_k 0 and top_p 1 (off) become the vocabulary and infinity, which keep every token exactly."""
+    top_p = cfg.top_p if cfg.top_p < 1.0 else math.inf
+    return torch.tensor([cfg.temperature or 1.0, cfg.top_k, top_p], dtype=torch.float32, device=device)
+
+
+def logits_to_probs_at(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """`logits_to_probs` for sampling, with its settings in a device tensor params [3] (`sampling_params`): one
+    sequence of ops for every setting, so one captured graph serves them all. [..., V] -> [..., V] float32."""
+    logits = logits.float() / params[0]
+    V = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    k = params[1].long()
+    k = torch.where((k > 0) & (k < V), k, V)  # 0 = off
+    kth = sorted_logits.gather(-1, (k - 1).expand(*logits.shape[:-1], 1))  # the k-th largest (ties kept, as topk)
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # keep a token while the mass before it < top_p
+    drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter_(-1, order, mass_before >= params[2])
+    return logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
