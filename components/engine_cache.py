@@ -198,13 +198,16 @@ def get_engine(spec: PairSpec, backend: str = "auto", progress=None) -> Slot:
 
 
 def preload(spec: PairSpec, backend: str = "auto", warm: bool = True) -> Slot | None:
-    """Load an engine, pin it, and (warm=True) run two tokens through it, so that the first timed run does not
-    pay the warm-up. A failure is logged, not raised: the first run will then show it on the status line."""
+    """Load an engine, pin it, and (warm=True) warm it up (`Engine.warm_up`: its costs, and on a GPU every CUDA graph
+    a run can choose) and run two tokens through it, so that the first timed run does not pay the warm-up. A failure
+    is logged, not raised: the first run will then show it on the status line."""
     try:
         slot = get_engine(spec, backend)
         ENGINES.pin(cache_key(spec, backend))
         if warm:
             with slot.lock:
+                seconds = on_engine_thread(slot.engine.warm_up)
+                log.info("warmed up %s in %.1f s", spec.label, seconds)
                 on_engine_thread(slot.engine.generate, "Hello", max_new_tokens=2)
         return slot
     except Exception as e:  # noqa: BLE001

@@ -229,6 +229,18 @@ class DraftHead(nn.Module):
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self._finish(hidden, attended)
 
+    def step_at(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+                S: int) -> torch.Tensor:
+        """`step` for a captured round: fixed shapes, no host reads. Slots pos [T] (a device tensor, a chain:
+        pos[t] = pos[0] + t) are written in place and attend to the cache's first S slots at positions <= their own
+        (the verified slots, earlier new slots, and nothing stale: every slot below a query's position is current).
+        The cache's `length` (a host count) is left to the caller."""
+        q, k, v = self._qkv(tokens, hidden, pos)
+        keys, values = cache.write_at(k, v, pos, S)
+        mask = cache.slots[:S][None, :] <= pos[:, None]  # [T, S]
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self._finish(hidden, attended)
+
     # -- training -----------------------------------------------------------------------------------
     def ttt_forward(self, features: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Training-time test: the K = steps draft passes of inference, for every slot at once.
@@ -278,6 +290,7 @@ class HeadCache:
         shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.slots = torch.arange(capacity, device=device)  # slot positions (a captured step's mask)
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
@@ -287,10 +300,18 @@ class HeadCache:
         if end > self.k.shape[2]:
             more = max(end, 2 * self.k.shape[2]) - self.k.shape[2]
             self.k, self.v = (F.pad(x, (0, 0, 0, more)) for x in (self.k, self.v))
+            self.slots = torch.arange(self.k.shape[2], device=self.k.device)
         self.k[:, :, self.length:end] = k
         self.v[:, :, self.length:end] = v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
+
+    def write_at(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, S: int):
+        """Write k, v [B, nkv, T, D] at the slots pos [T] (a device tensor; the buffers never grow here, so a
+        captured step keeps its addresses); return the keys and values of the first S slots."""
+        self.k.index_copy_(2, pos, k)
+        self.v.index_copy_(2, pos, v)
+        return self.k[:, :, :S], self.v[:, :, :S]
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, max(0, length))

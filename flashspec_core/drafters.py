@@ -26,7 +26,7 @@ import torch
 from flashspec_core.draft_head import DraftHead, HeadCache
 from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length
 from flashspec_core.models import CausalLM
-from flashspec_core.sampling import SamplingConfig, logits_to_probs, sample
+from flashspec_core.sampling import SamplingConfig, logits_to_probs, logits_to_probs_at, sample
 from flashspec_core.tree import DraftTree
 
 
@@ -440,10 +440,28 @@ class DraftHeadDrafter(Drafter):
         self.cache = None
         self.h: torch.Tensor | None = None  # [B, 1, H] the first pass's output at the last verified slot
         self.logits: torch.Tensor | None = None  # [B, draft V] float32: the next draft token's logits
+        self.fixed: _Fixed | None = None  # a captured round's buffers (`bind`), kept across streams
+
+    def bind(self, batch: int, capacity: int) -> "_Fixed":
+        """Fixed buffers for a captured round (`flashspec_core.captured`): a cache of `capacity` slots that never
+        grows and the state the next draft starts from, at addresses its graphs keep; every stream of `batch` rows
+        reuses them (`start` empties the cache)."""
+        f = self.fixed
+        if f is None or f.h.shape[0] != batch or f.cache.k.shape[2] != capacity:
+            H, V = self.head.cfg.hidden_size, self.ids.numel()
+            self.fixed = f = _Fixed(HeadCache(self.head.cfg, batch, capacity, self.device, self.dtype),
+                                    torch.zeros((batch, 1, H), dtype=self.dtype, device=self.device),
+                                    torch.zeros((batch, V), device=self.device),
+                                    torch.zeros(batch, dtype=torch.int64, device=self.device))
+        return f
 
     def start(self, rows, sampling, generator, hidden=None):
         self.sampling, self.generator = sampling, generator
-        self.cache = HeadCache(self.head.cfg, len(rows), max(64, 2 * len(rows[0])), self.device, self.dtype)
+        if self.fixed is not None and self.fixed.h.shape[0] == len(rows):
+            self.cache = self.fixed.cache
+            self.cache.length = 0
+        else:
+            self.cache = HeadCache(self.head.cfg, len(rows), max(64, 2 * len(rows[0])), self.device, self.dtype)
         self.h = self.logits = self.guess = None
         self.observe(rows, len(rows[0]), hidden)
 
@@ -454,9 +472,45 @@ class DraftHeadDrafter(Drafter):
             return
         s, n = self.cache.length, hidden.shape[1]
         following = torch.tensor([r[s + 1:s + 1 + n] for r in rows], device=self.device)  # token t + 1 of each slot
-        self.h = self.head.step(self.cache, following, self.head.fuse(hidden.to(self.dtype)))[:, -1:]  # [B, 1, H]
-        self.logits = self.head.logits(self.h[:, -1], self.limit).float()  # draft vocabulary
-        self.guess = self.ids[self.logits.argmax(dim=-1)]  # [B]
+        h = self.head.step(self.cache, following, self.head.fuse(hidden.to(self.dtype)))[:, -1:]  # [B, 1, H]
+        self._keep(h)
+
+    def _keep(self, h: torch.Tensor) -> None:
+        """The next draft's state from the first pass's last output h [B, 1, H]: into the fixed buffers when bound."""
+        logits = self.head.logits(h[:, -1], self.limit).float()  # draft vocabulary
+        guess = self.ids[logits.argmax(dim=-1)]  # [B]
+        f = self.fixed
+        if f is not None and self.cache is f.cache:
+            h, logits, guess = f.h.copy_(h), f.logits.copy_(logits), f.guess.copy_(guess)
+        self.h, self.logits, self.guess = h, logits, guess
+
+    # -- a captured round (fixed shapes, device positions, no host reads) ---------------------------
+    def observe_at(self, hidden: torch.Tensor, emitted: torch.Tensor, kept: torch.Tensor, pos: torch.Tensor,
+                   S: int) -> None:
+        """`observe` inside a captured round: the first pass over all K + 1 verified slots pos [K+1] (hidden [B, K+1,
+        F], emitted [B, K+1] the round's emitted ids: token t + 1 of slot t), of which the first kept + 1 (kept [1],
+        the accepted count) are real; the rest are written past the new length and overwritten next round."""
+        following = emitted.clamp_min(0)
+        h = self.head.step_at(self.fixed.cache, following, self.head.fuse(hidden.to(self.dtype)), pos, S)
+        self._keep(h.index_select(1, kept))
+
+    def propose_at(self, k: int, length: torch.Tensor, S: int, params: torch.Tensor | None, generator) -> Proposal:
+        """`propose` inside a captured round from the fixed state: draft step i writes head slot length + i (device
+        length [1]); params None = greedy, else `sampling_params`. Its slots are overwritten by `observe_at`."""
+        h, logits = self.fixed.h, self.fixed.logits
+        tokens, qs = [], []
+        for i in range(k):
+            if params is None:
+                index, q = logits.argmax(dim=-1), None
+            else:
+                q = logits_to_probs_at(logits, params)
+                index = sample(q, generator)
+            tokens.append(self.ids[index])
+            qs.append(q)
+            if i + 1 < k:
+                h = self.head.step_at(self.fixed.cache, tokens[-1][:, None], h, length + i, S)
+                logits = self.head.logits(h[:, -1], self.limit).float()
+        return Proposal(torch.stack(tokens, dim=1), None if params is None else self._widen(torch.stack(qs, dim=1)))
 
     @torch.inference_mode()
     def propose(self, rows, k):
@@ -550,6 +604,15 @@ class DraftHeadDrafter(Drafter):
         node = {c: i for i, c in enumerate(order.tolist())}  # candidate id -> node index (one host sync)
         tree = DraftTree(tuple(node[p] if p >= 0 else -1 for p in parents[order].tolist()))
         return TreeProposal(tree, self.ids[index[order]][None], None, scores[order][None])
+
+
+@dataclass(frozen=True)
+class _Fixed:
+    """A draft head's buffers for captured rounds (`DraftHeadDrafter.bind`)."""
+    cache: HeadCache  # never grows
+    h: torch.Tensor  # [B, 1, H] the first pass's output at the last verified slot
+    logits: torch.Tensor  # [B, draft V] float32: the next draft token's logits
+    guess: torch.Tensor  # [B] int64: their top token, as a target id
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,8 @@ class Engine:
     """A target model, its drafters, a kernel backend and a bandit strategy. Not thread-safe: one stream at a time."""
 
     def __init__(self, target: CausalLM, drafters: list[Drafter], tokenizer=None, *, kernel_backend: str = "auto",
-                 bandit: str = "ucb1", window: int = 200, eos_ids: set[int] | None = None, name: str = "custom"):
+                 bandit: str = "ucb1", window: int = 200, eos_ids: set[int] | None = None, name: str = "custom",
+                 captured: str = "auto"):
         resolve_backend(kernel_backend, target.device)  # fail early on unknown names
         Bandit(["x"], bandit, window)  # likewise for the strategy
         self.target, self.tokenizer, self.name = target, tokenizer, name
@@ -87,7 +88,7 @@ class Engine:
                 raise ValueError(f"two drafters are named {d.name!r}")
             self.drafters[d.name] = d
         self.eos_ids = set(eos_ids or ())
-        self.round = DeviceRound(target, self.drafters, kernel_backend)  # draft, verify, accept, roll back, update
+        self.round = DeviceRound(target, self.drafters, kernel_backend, captured)  # draft, verify, accept, roll back
         self.policy = HostPolicy(self.drafters)  # arm and K choices, rewards, the machine's measured costs
         self.events = EventBuilder(tokenizer, self.eos_ids)  # stop checks, events, text pieces
 
@@ -104,7 +105,7 @@ class Engine:
     def from_pretrained(cls, target: str = "embedded", drafters: list[str] = ("prompt_lookup", "ngram_cache"), *,
                         device: str = "auto", dtype: str = "auto", kernel_backend: str = "auto",
                         bandit: str = "ucb1", fast_path: str = "auto", precision: str = "auto", progress=None,
-                        name: str | None = None) -> "Engine":
+                        name: str | None = None, captured: str = "auto") -> "Engine":
         """Load a target and its drafters by Hub id, local folder, 'embedded', or model-free drafter name.
 
         precision: "gguf" runs the target on its GGUF file's own 4-bit weights (the embedded model on the CPU;
@@ -126,17 +127,21 @@ class Engine:
                 check_same_vocabulary(tokenizer, draft_models[d][1], target, d)
         return cls.from_models(model, [draft_models[d][0] if d in draft_models else d for d in drafters],
                                tokenizer=tokenizer, kernel_backend=kernel_backend, bandit=bandit, fast_path=fast_path,
-                               draft_names=[_short(d) for d in drafters], name=name or target, gguf=gguf)
+                               draft_names=[_short(d) for d in drafters], name=name or target, gguf=gguf,
+                               captured=captured)
 
     @classmethod
     def from_models(cls, target_model, drafters: list = ("prompt_lookup", "ngram_cache"), tokenizer=None, *,
                     kernel_backend: str = "auto", bandit: str = "ucb1", fast_path: str = "auto",
-                    draft_names: list[str] | None = None, name: str = "custom", gguf: GGUFFile | None = None) -> "Engine":
+                    draft_names: list[str] | None = None, name: str = "custom", gguf: GGUFFile | None = None,
+                    captured: str = "auto") -> "Engine":
         """Wrap already-built Hugging Face models. Drafters: draft models or model-free drafter names.
 
         fast_path: "auto" = static KV cache + CUDA graphs on CUDA for Llama-family models, else eager;
         "on" = the static path (raises for unsupported models); "off" = eager Hugging Face with DynamicCache.
         gguf: the target's GGUF file: its linear layers run on the file's own 4-bit weights (CPU, static path).
+        captured: "auto" = whole rounds as CUDA graphs where they replay (`flashspec_core.captured`), "eager" = that
+        code without graphs, "off" = eager rounds (the target's forwards still replay their own graphs on CUDA).
         """
         if fast_path not in FAST_PATH_MODES:
             raise ValueError(f"unknown fast_path {fast_path!r}; expected one of {list(FAST_PATH_MODES)}")
@@ -163,7 +168,7 @@ class Engine:
                 built.append(DraftModel(fast_or_eager(d.eval(), vocab, mode=fast_path), name=label))
         eos = _eos_ids(target_model, tokenizer)
         return cls(fast_or_eager(target_model.eval(), vocab, mode=fast_path, gguf=gguf), built, tokenizer,
-                   kernel_backend=kernel_backend, bandit=bandit, eos_ids=eos, name=name)
+                   kernel_backend=kernel_backend, bandit=bandit, eos_ids=eos, name=name, captured=captured)
 
     # ------------------------------------------------------------------------------------------------
     # Public API
@@ -253,6 +258,16 @@ class Engine:
         for name, d in self.drafters.items():
             if name not in self.policy.draft_steps:
                 self.policy.draft_steps[name] = self.round.draft_step(rows, d, reps)
+
+    def warm_up(self, max_context: int = 2048) -> float:
+        """Measure the machine's costs (`calibrate`) and, where rounds replay as CUDA graphs, capture every graph a
+        stream of up to `max_context` tokens can choose (greedy and sampling, every K of gamma "auto", every
+        context bucket), so that streams capture nothing; returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.calibrate()
+        for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
+            self.round.warm_up(sampling, max_context)
+        return time.perf_counter() - t0
 
     def reset_session(self) -> None:
         """Forget cross-generation memory (the n-gram cache), e.g. between benchmark rows."""

@@ -46,7 +46,8 @@ class EventBuilder:
                           text="".join(span.text for span in spans if span.kind != "rejected"),
                           draft_s=out.draft_s, verify_s=out.verify_s, round_s=out.draft_s + out.verify_s,
                           elapsed_s=time.perf_counter() - s.t_start, new_tokens=s.produced,
-                          arms=s.bandit.state() if s.bandit else (), finished=finished, prefill_s=s.prefill_s)
+                          arms=s.bandit.state() if s.bandit else (), finished=finished, prefill_s=s.prefill_s,
+                          device_s=out.device_s)
 
     def pieces(self, before: list[int], accepted: list[int], rejected: list[int], final: list[int]) -> list[str]:
         """Decoded text of each display token, each decoded after the accepted prefix it follows."""

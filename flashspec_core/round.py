@@ -46,7 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flashspec_core.drafters import DraftModel, Drafter, Proposal
+from flashspec_core.captured import CapturedRound, Shape, pack
+from flashspec_core.drafters import DraftHeadDrafter, DraftModel, Drafter
 from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from flashspec_core.stream import RoundOutput
@@ -61,6 +62,7 @@ class Launched:
     packed: torch.Tensor  # the round's host record, still on the device (see `_pack`)
     guessers: list[str]  # the drafters whose first-pass guesses are packed, in order
     timer: "RoundTimer"
+    captured: bool = False  # ran as a captured round: the head has observed it already
 
 
 @dataclass
@@ -82,13 +84,22 @@ class HostCopy:
                    guesses={name: int(g) for name, g in zip(guessers, guess)})
 
 
+CAPTURED = ("auto", "eager", "off")
+
+
 class DeviceRound:
     """The target, its drafters and the accept test, driven one round at a time. Not thread-safe."""
 
-    def __init__(self, target, drafters: dict[str, Drafter], kernel_backend: str = "auto"):
+    def __init__(self, target, drafters: dict[str, Drafter], kernel_backend: str = "auto", captured: str = "auto"):
+        """captured: "auto" = captured rounds (`flashspec_core.captured`) where CUDA graphs replay them, "eager" = the
+        captured rounds' code without graphs (what the CPU tests run), "off" = the rounds below."""
+        if captured not in CAPTURED:
+            raise ValueError(f"unknown captured mode {captured!r}; expected one of {list(CAPTURED)}")
         self.target, self.drafters, self.kernel_backend = target, drafters, kernel_backend
         self.device = target.device
         self.pending: torch.Tensor | None = None  # [B, 1] the id the next verify feeds first (device)
+        self.mode = captured
+        self.captured: CapturedRound | None = None  # built by `start` where it applies
 
     # -- the two calls -------------------------------------------------------------------------------
     def start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
@@ -100,14 +111,17 @@ class DeviceRound:
         readers = [self.drafters[a] for a in (arms or self.drafters)]
         self.target.aux_layers = next((d.aux_layers for d in readers if d.aux_layers), ())
         self.target.reset()
-        self._capture(max_context, max_gamma)
+        self._capture(len(rows), sampling, max_context, max_gamma)
         hidden = None
         if len(rows[0]) > 1:
             self.target.forward(torch.tensor([r[:-1] for r in rows], device=self.device), logits_to_keep=1)
             hidden = self.target.aux
+        c = self.captured
+        if c is not None:
+            generator = c.begin(torch.tensor([r[-1:] for r in rows], device=self.device), sampling, generator)
         for d in self.drafters.values():
             d.start(rows, sampling, generator, hidden=hidden if d.aux_layers else None)
-        self.pending = torch.tensor([r[-1:] for r in rows], device=self.device)  # [B, 1]
+        self.pending = torch.tensor([r[-1:] for r in rows], device=self.device) if c is None else c.pending  # [B, 1]
         self.sync()
         return time.perf_counter() - t0
 
@@ -119,6 +133,8 @@ class DeviceRound:
     # -- the round -----------------------------------------------------------------------------------
     def launch(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator) -> Launched:
         """Draft, verify and the accept test, all on the device; nothing here reads the device."""
+        if self.captured is not None:
+            return self._launch_captured(rows, drafter, k, sampling)
         timer = RoundTimer(self.device)
         guessers = self._guessers()
         guesses = [self.drafters[name].guess for name in guessers]  # taken before this round's update
@@ -132,7 +148,8 @@ class DeviceRound:
         shortest = result.num_accepted.min().view(1)  # rows advance together by the shortest accepted prefix + 1
         self.pending = result.tokens.index_select(1, shortest)  # [B, 1]: that row position's emitted id
         shown = logits.softmax(dim=-1) if sampling.greedy else p  # the p values shown with each token
-        return Launched(len(rows[0]), K, _pack(proposal, shown, result, guesses), guessers, timer)
+        timer.launched()
+        return Launched(len(rows[0]), K, pack(proposal, shown, result, guesses), guessers, timer)
 
     def land(self, rows: list[list[int]], launched: Launched) -> RoundOutput:
         """Read the round's host record (the one sync), then accept on the rows, roll back and update."""
@@ -141,9 +158,13 @@ class DeviceRound:
         for row, toks in zip(rows, host.tokens):  # accept
             row.extend(toks[:m + 1])
         self.target.crop(L + m)  # roll back: the cache keeps the context and the accepted drafts
-        self._update(rows, L + m, m + 1)
-        draft_s, verify_s = launched.timer.done()
-        return RoundOutput(host.num_accepted, host.tokens, host.draft, host.p, host.q, draft_s, verify_s, host.guesses)
+        if launched.captured:
+            self._update_captured(rows, L + m)
+        else:
+            self._update(rows, L + m, m + 1)
+        draft_s, verify_s, device_s = launched.timer.done()
+        return RoundOutput(host.num_accepted, host.tokens, host.draft, host.p, host.q, draft_s, verify_s, host.guesses,
+                           device_s)
 
     def _update(self, rows: list[list[int]], kept: int, verified: int) -> None:
         """Every drafter learns the round; the hidden-state readers get the features of the `verified` new
@@ -152,20 +173,92 @@ class DeviceRound:
         for d in self.drafters.values():
             d.observe(rows, kept, hidden=hidden if d.aux_layers else None)
 
+    # -- captured rounds ------------------------------------------------------------------------------
+    def _launch_captured(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig) -> Launched:
+        """The round as one captured graph: the head drafts inside it; a model-free drafter's ids are copied in."""
+        timer, c, head = RoundTimer(self.device), self.captured, self.captured.head
+        guessers = [head.name] if head is not None and self.target.aux_layers and head.h is not None else []
+        if drafter is head and head.h is not None and k > 0:
+            K = k
+        else:
+            tokens = drafter.propose(rows, k).tokens if drafter is not head else c.draft[:, :0]
+            K = tokens.shape[1]
+            c.draft[:, :K].copy_(tokens)
+        shape = Shape(drafter is head and K > 0, K, self.target.bucket(self.target.length + K + 1), sampling.greedy,
+                      bool(self.target.aux_layers))
+        timer.drafted()  # a model-free draft ends here; the head's drafting runs inside the round (in verify_s)
+        packed = c.run(shape)
+        timer.launched()
+        self.target.length += K + 1  # the host's count of what the verify appended (rolled back in `land`)
+        return Launched(len(rows[0]), K, packed, guessers, timer, captured=True)
+
+    def _update_captured(self, rows: list[list[int]], kept: int) -> None:
+        """After a captured round: the head has observed it on the device (its cache now holds `kept` slots);
+        every other drafter learns it as in `_update`."""
+        for d in self.drafters.values():
+            if d is self.captured.head:
+                d.cache.length = kept
+                f = d.fixed
+                d.h, d.logits, d.guess = f.h, f.logits, f.guess
+            else:
+                d.observe(rows, kept)
+
     def _guessers(self) -> list[str]:
         """The drafters that hold a first-pass guess at the current context (the draft head, when it is fed)."""
         if not self.target.aux_layers:
             return []
         return [name for name, d in self.drafters.items() if d.aux_layers and d.guess is not None]
 
-    def _capture(self, max_context: int | None, max_gamma: int) -> None:
-        """CUDA graphs: captured once per shape, kept on each model (a no-op without graphs)."""
+    def _capture(self, batch: int, sampling: SamplingConfig, max_context: int | None, max_gamma: int) -> None:
+        """CUDA graphs: captured once per shape, kept on each model and on the captured round (a no-op without
+        graphs). Builds the captured round where it applies (`captured`)."""
+        self.captured = self._captured_round(batch)
         if not max_context:
+            return
+        if self.captured is not None:
+            self.captured.capture(self.shapes(sampling, max_context, max_gamma))
             return
         for lm in [self.target] + [d.lm for d in self.drafters.values() if isinstance(d, DraftModel)]:
             if hasattr(lm, "capture"):
                 lm.reset()
                 lm.capture(range(1, max_gamma + 2) if lm is self.target else [1, 2], max_context=max_context)
+
+    def _captured_round(self, batch: int) -> CapturedRound | None:
+        """The captured round for `batch` rows (kept while the batch stays), or None where it does not apply: mode
+        "off", a target without a static cache, graphs off in "auto", or a draft model among the drafters."""
+        graphs = getattr(self.target, "use_graphs", False)
+        if self.mode == "off" or not hasattr(self.target, "capacity") or (self.mode == "auto" and not graphs):
+            return None
+        heads = [d for d in self.drafters.values() if isinstance(d, DraftHeadDrafter)]
+        if len(heads) > 1 or any(not d.model_free and d not in heads for d in self.drafters.values()):
+            return None
+        c = self.captured
+        if c is None or c.batch != batch:
+            c = CapturedRound(self.target, heads[0] if heads else None, self.kernel_backend, batch,
+                              graphs=graphs and self.mode == "auto")
+        return c
+
+    def warm_up(self, sampling: SamplingConfig, max_context: int, max_gamma: int = MAX_AUTO_GAMMA) -> int:
+        """Capture every shape a one-row stream up to max_context tokens can run (`shapes`), with the head reading
+        the verify's hidden states and without; returns how many graphs were captured (0 without graphs)."""
+        readers = {d.aux_layers for d in self.drafters.values() if d.aux_layers}
+        count = 0
+        for aux in [*readers, ()]:
+            self.target.aux_layers = aux
+            self.target.reset()
+            self.captured = self._captured_round(1)
+            if self.captured is None:
+                return 0
+            count += self.captured.capture(self.shapes(sampling, max_context, max_gamma))
+        return count
+
+    def shapes(self, sampling: SamplingConfig, max_context: int, max_gamma: int) -> list[Shape]:
+        """Every shape a stream may run: the head's drafts and host ids at each K <= max_gamma, over every context
+        bucket up to max_context, with the target's current hidden-state readers."""
+        observe, head = bool(self.target.aux_layers), self.captured.head is not None
+        buckets = [S for S in self.target.buckets if S <= self.target.bucket(max_context)]
+        return [Shape(h, K, S, sampling.greedy, observe) for S in buckets for K in range(max_gamma + 1)
+                for h in ((False, True) if observe and head and K else (False,)) if S >= K + 1]
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -195,40 +288,36 @@ class DeviceRound:
         greedy, generator = SamplingConfig(), torch.Generator(device=self.device).manual_seed(0)
         row = [rows[0][:]]
         self.start(row, greedy, generator, len(row[0]) + (reps + 1) * (MAX_AUTO_GAMMA + 1), MAX_AUTO_GAMMA)
+        if self.captured is not None and drafter is self.captured.head:
+            return self._captured_draft_step(k, reps)
         return min(self.run(row, drafter, k, greedy, generator).draft_s / k for _ in range(reps))
 
+    def _captured_draft_step(self, k: int, reps: int) -> float:
+        """The head's seconds per drafted token inside a captured round: a round where it drafts k tokens less one
+        that verifies k given ids (the fastest of reps + 1 each; the rows are scratch: a calibration stream)."""
+        S = self.target.bucket(self.target.length + 2 * (reps + 1) * (k + 1))
 
-def _pack(proposal: Proposal, p: torch.Tensor, result, guesses: list[torch.Tensor]) -> torch.Tensor:
-    """Counts, tokens and row 0's values in one float32 tensor [B + 4, W], to be copied to the host once.
+        def seconds(head: bool) -> float:
+            t0 = time.perf_counter()
+            self.captured.run(Shape(head, k, S, True, bool(self.target.aux_layers)))
+            self.sync()
+            return time.perf_counter() - t0
 
-    Rows 0..B-1: [num_accepted, tokens (K + 1)]. Row B: p of each token row 0 proposed, then p of its emitted
-    one; row B+1: q of each proposed token (1 for a deterministic drafter); row B+2: the proposed ids; row B+3:
-    the guesses' row 0. p is [B, K+1, V]. Ids < 2^24 are exact in float32.
-    """
-    B, K = proposal.tokens.shape
-    n0 = result.num_accepted[:1]  # [1]
-    drafted = proposal.tokens[0]  # [K]
-    p_draft = p[0, :K].gather(-1, drafted[:, None]).squeeze(-1)  # [K]
-    p_last = p[0].index_select(0, n0).gather(-1, result.tokens[0].gather(0, n0)[:, None]).view(1)
-    q_draft = torch.ones(K, device=p.device) if proposal.q is None else \
-        proposal.q[0].gather(-1, drafted[:, None]).squeeze(-1)
-    guess = torch.stack([g[0] for g in guesses]).float() if guesses else p.new_zeros(0)
-    W = max(K + 2, guess.numel())
-    parts = [torch.cat([result.num_accepted[:, None].float(), result.tokens.float()], dim=1),  # [B, K+2]
-             torch.cat([p_draft, p_last])[None], q_draft[None], drafted.float()[None], guess[None]]
-    return torch.cat([F.pad(x, (0, W - x.shape[1])) for x in parts], dim=0)
+        best = {head: min(seconds(head) for _ in range(reps + 1)) for head in (True, False)}
+        return max(0.0, best[True] - best[False]) / k
 
 
 class RoundTimer:
-    """Draft and round wall times without an extra sync: on CUDA an event marks the end of drafting and is read
-    after the round's one sync; on the CPU the host clock is exact. `done` gives (draft, the rest: verify, accept,
-    roll back and update)."""
+    """Draft and round wall times without an extra sync: on CUDA events mark the end of drafting and of the round's
+    device work and are read after the round's one sync; on the CPU the host clock is exact. `done` gives (draft,
+    the rest: verify, accept, roll back and update, device): device is the GPU's time from the end of drafting to
+    the end of the launched work (a captured round: its graph's time), None on the CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.t0 = time.perf_counter()
         if self.cuda:
-            self.start, self.mid = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start, self.mid, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
             self.start.record()
 
     def drafted(self):
@@ -237,7 +326,12 @@ class RoundTimer:
         else:
             self.t1 = time.perf_counter()
 
-    def done(self) -> tuple[float, float]:
+    def launched(self):
+        if self.cuda:
+            self.end.record()
+
+    def done(self) -> tuple[float, float, float | None]:
         total = time.perf_counter() - self.t0
         draft = self.start.elapsed_time(self.mid) / 1e3 if self.cuda else self.t1 - self.t0
-        return draft, max(0.0, total - draft)
+        device = self.mid.elapsed_time(self.end) / 1e3 if self.cuda else None
+        return draft, max(0.0, total - draft), device

@@ -42,6 +42,7 @@ class RoundEvent:
     arms: tuple[ArmState, ...]  # bandit state after this round (empty without a bandit)
     finished: str | None  # "eos" | "length" | None
     prefill_s: float = 0.0  # the stream's prefill (the same on every event), included in elapsed_s
+    device_s: float | None = None  # CUDA: GPU time of the round's launched work after drafting (RoundOutput's)
 
     @property
     def emitted(self) -> tuple[int, ...]:
@@ -70,6 +71,7 @@ class RoundOutput:
     verify_s: float
     guesses: dict[str, int] = field(default_factory=dict)  # row 0: each hidden-state reader's first-pass top
     # token at the pre-round context (what it would have drafted first), for its counterfactual score
+    device_s: float | None = None  # CUDA: the GPU's time from the end of drafting to the end of the round's launch
 
 
 @dataclass(frozen=True)

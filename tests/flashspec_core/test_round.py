@@ -28,9 +28,9 @@ def head(target):
     return tiny_head(target)
 
 
-def fresh_round(target, head) -> DeviceRound:
+def fresh_round(target, head, captured: str = "auto") -> DeviceRound:
     drafters = {"draft_head": DraftHeadDrafter(head, V), "prompt_lookup": PromptLookup(), "no_draft": NoDraft()}
-    return DeviceRound(fast_or_eager(target.eval(), V), drafters, kernel_backend="torch")
+    return DeviceRound(fast_or_eager(target.eval(), V), drafters, kernel_backend="torch", captured=captured)
 
 
 def drive(round_: DeviceRound, schedule, k: int, sampling: SamplingConfig, seed: int, n: int) -> list[list[int]]:

@@ -1,0 +1,160 @@
+"""The captured round: a speculative round (draft, verify, accept test, the pending token, the host record and the
+draft head's update) as one CUDA graph per `Shape`, over fixed buffers, with the cache length on the device. On
+the CPU the same `body` runs eagerly: it is the specification the graphs replay, and the tests run it there.
+
+    CapturedRound(target, head, backend, batch, graphs)  buffers for `batch` rows
+    capture(shapes)          warm up and capture each shape (before a stream: it writes into the caches)
+    run(shape) -> packed     replay (or run eagerly); packed is the round's host record (`round._pack`)
+
+A shape is what the host decides before a round: whether the head drafts inside the graph or the ids come from
+the host (a model-free drafter; none for the no-draft arm), K, the context bucket S that attention reads, greedy
+or sampling (the sampling settings are a device tensor, so one graph serves every temperature, top-k and top-p),
+and whether a draft head reads the verify's hidden states. The host copies in what only it knows (a model-free
+draft's ids) and reads one packed tensor back; positions, the pending token and the head's state stay here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashspec_core.drafters import DraftHeadDrafter, Proposal
+from flashspec_core.sampling import SamplingConfig, logits_to_probs_at, sampling_params
+from kernels import verify
+
+
+@dataclass(frozen=True)
+class Shape:
+    head: bool  # the draft head drafts inside the round (else the ids are copied in from the host)
+    K: int  # tokens drafted
+    S: int  # cache slots the target and the head attend over (the context bucket)
+    greedy: bool
+    observe: bool  # the verify forward's hidden states go through the head's first pass
+
+
+class CapturedRound:
+    """Fixed buffers and one graph per `Shape` for a `StaticCausalLM` target and an optional draft head."""
+
+    def __init__(self, target, head: DraftHeadDrafter | None, backend: str, batch: int, graphs: bool):
+        dev = target.device
+        self.target, self.head, self.backend, self.use_graphs = target, head, backend, graphs
+        T = target.max_graph_tokens
+        self.length = torch.zeros(1, dtype=torch.int64, device=dev)  # the target's cache length (the head's too)
+        self.pending = torch.zeros((batch, 1), dtype=torch.int64, device=dev)  # the id the next verify feeds first
+        self.draft = torch.zeros((batch, T - 1), dtype=torch.int64, device=dev)  # a host drafter's ids
+        self.params = sampling_params(SamplingConfig(1.0), dev)  # temperature, top_k, top_p while sampling
+        self.steps = torch.arange(T, device=dev)
+        self.generator = torch.Generator(device=dev)  # every random draw of a captured round
+        self.graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.eager_rounds = 0  # rounds that found no graph of their shape (graphs on) and ran eagerly
+        if head is not None:
+            head.bind(batch, target.capacity)
+
+    @property
+    def batch(self) -> int:
+        return self.pending.shape[0]
+
+    def begin(self, pending: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> torch.Generator:
+        """A stream starts: the pending ids [B, 1], the cache length (the target's), the sampling settings and the
+        random state (`generator`'s, copied in when graphs replay on their own generator). Returns the generator
+        the rounds draw from."""
+        self.pending.copy_(pending)
+        self.length.fill_(self.target.length)
+        if not sampling.greedy:
+            self.params.copy_(sampling_params(sampling, self.params.device))
+        if not self.use_graphs:
+            self.generator = generator
+        elif generator is not self.generator:
+            self.generator.set_state(generator.get_state())
+        return self.generator
+
+    def run(self, shape: Shape) -> torch.Tensor:
+        """One round of `shape`; returns its packed host record (a graph's own buffer: read it before the next).
+        A shape that was not captured runs eagerly (capturing now would write into the stream's caches)."""
+        if shape not in self.graphs:
+            self.eager_rounds += self.use_graphs
+            return self.body(shape)
+        graph, packed = self.graphs[shape]
+        graph.replay()
+        return packed
+
+    def capture(self, shapes) -> int:
+        """Warm up and capture every shape not captured yet; returns how many. It writes into the caches, the
+        pending id and the length: call it before a stream starts (`DeviceRound.start` does)."""
+        if not self.use_graphs:
+            return 0
+        todo = [s for s in dict.fromkeys(shapes) if s not in self.graphs]
+        state = self.generator.get_state()
+        for shape in todo:
+            self._capture(shape)
+        self.generator.set_state(state)  # the warm-ups' draws do not count
+        return len(todo)
+
+    # -- the round -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def body(self, shape: Shape) -> torch.Tensor:
+        """Draft, verify, accept test, pending token, host record, the head's update, the length: device work only."""
+        K, greedy = shape.K, shape.greedy
+        guess = [self.head.fixed.guess] if shape.observe else []  # the head's guess at the pre-round context
+        if shape.head:
+            proposal = self.head.propose_at(K, self.length, shape.S, None if greedy else self.params, self.generator)
+        else:
+            proposal = Proposal(self.draft[:, :K], None)
+        pos = self.length + self.steps[:K + 1]  # [K+1] cache slots and rotary positions of the verify
+        logits, aux = self.target._forward(torch.cat([self.pending, proposal.tokens], dim=1), pos, shape.S, K + 1)
+        logits = logits[..., :self.target.vocab_size].float()  # [B, K+1, V]
+        p = logits if greedy else logits_to_probs_at(logits, self.params)
+        result = verify(proposal.tokens, proposal.q, p, generator=self.generator, greedy=greedy, backend=self.backend)
+        kept = result.num_accepted.min().view(1)  # rows advance together by the shortest accepted prefix + 1
+        packed = pack(proposal, logits.softmax(dim=-1) if greedy else p, result, guess)
+        self.pending.copy_(result.tokens.index_select(1, kept))
+        if shape.observe:
+            self.head.observe_at(aux, result.tokens, kept, pos, shape.S)
+        self.length.add_(kept + 1)
+        return packed
+
+    @torch.inference_mode()
+    def _capture(self, shape: Shape):
+        """Warm up on a side stream (from length 0, so positions stay in range), then capture into a shared pool."""
+        dev = self.target.device
+        self.target.aux_layers, saved = (self.head.aux_layers if shape.observe else ()), self.target.aux_layers
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.length.zero_()
+                self.body(shape)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.length.zero_()
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        if not shape.greedy:
+            graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            packed = self.body(shape)
+        self.target.aux_layers = saved
+        self.graphs[shape] = (graph, packed)
+        return graph, packed
+
+
+def pack(proposal: Proposal, p: torch.Tensor, result, guesses: list[torch.Tensor]) -> torch.Tensor:
+    """Counts, tokens and row 0's values in one float32 tensor [B + 4, W], to be copied to the host once.
+
+    Rows 0..B-1: [num_accepted, tokens (K + 1)]. Row B: p of each token row 0 proposed, then p of its emitted
+    one; row B+1: q of each proposed token (1 for a deterministic drafter); row B+2: the proposed ids; row B+3:
+    the guesses' row 0. p is [B, K+1, V]. Ids < 2^24 are exact in float32.
+    """
+    B, K = proposal.tokens.shape
+    n0 = result.num_accepted[:1]  # [1]
+    drafted = proposal.tokens[0]  # [K]
+    p_draft = p[0, :K].gather(-1, drafted[:, None]).squeeze(-1)  # [K]
+    p_last = p[0].index_select(0, n0).gather(-1, result.tokens[0].gather(0, n0)[:, None]).view(1)
+    q_draft = torch.ones(K, device=p.device) if proposal.q is None else \
+        proposal.q[0].gather(-1, drafted[:, None]).squeeze(-1)
+    guess = torch.stack([g[0] for g in guesses]).float() if guesses else p.new_zeros(0)
+    W = max(K + 2, guess.numel())
+    parts = [torch.cat([result.num_accepted[:, None].float(), result.tokens.float()], dim=1),  # [B, K+2]
+             torch.cat([p_draft, p_last])[None], q_draft[None], drafted.float()[None], guess[None]]
+    return torch.cat([F.pad(x, (0, W - x.shape[1])) for x in parts], dim=0)

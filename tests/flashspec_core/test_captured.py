@@ -1,0 +1,190 @@
+"""The captured round (`flashspec_core.captured`) run eagerly on the CPU, the code its CUDA graphs replay: greedy
+output equals plain decoding, emitted tokens follow the target (chi-squared through the engine's round), the head
+ends each round in the state the eager rounds leave, a round reads the device once, and the device-tensor
+sampling settings give `logits_to_probs`'s probabilities."""
+import pytest
+import torch
+
+from flashspec_core import Engine, SamplingConfig
+from flashspec_core.sampling import logits_to_probs, logits_to_probs_at, sampling_params
+from tests.conftest import tiny_llama
+from tests.flashspec_core.test_distribution import CRITICAL, N, V, chi2, exact_laws, first_two_tokens
+from tests.flashspec_core.test_round import GREEDY, HOST_READS, PROMPT, T1, counting, fresh_round
+
+SAMPLINGS = {"t1": SamplingConfig(temperature=1.0), "topk_topp": SamplingConfig(temperature=0.8, top_k=4, top_p=0.9),
+             "t07": SamplingConfig(temperature=0.7), "topk1": SamplingConfig(temperature=1.3, top_k=1),
+             "topp": SamplingConfig(temperature=1.0, top_p=0.5)}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tests.flashspec_core.test_draft_head import tiny_head
+
+    target = tiny_llama(vocab=50, seed=3, layers=4)
+    return target, tiny_head(target)
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_device_settings_give_the_same_probabilities(name):
+    cfg = SAMPLINGS[name]
+    logits = torch.randn(3, 5, 1000, generator=torch.Generator().manual_seed(1)) * 4
+    logits[0, 0, :10] = logits[0, 0, 0]  # ties at the top
+    want, got = logits_to_probs(logits, cfg), logits_to_probs_at(logits, sampling_params(cfg, "cpu"))
+    assert torch.equal(want > 0, got > 0)
+    torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("drafters", [["draft_head"], ["prompt_lookup"], None], ids=["head", "lookup", "bandit"])
+def test_greedy_captured_equals_plain(tiny, drafters):
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch", captured="eager")
+    plain = engine.generate(PROMPT, 48, mode="plain").token_ids
+    for gamma in ("auto", 1, 5):
+        result = engine.generate(PROMPT, 48, gamma=gamma, drafters=drafters)
+        assert engine.round.captured is not None
+        assert result.token_ids == plain, gamma
+
+
+def test_greedy_captured_equals_plain_on_the_embedded_model(embedded_engine):
+    """The shipped head and the CPU default target, in captured rounds (then back to the engine's own mode)."""
+    prompt = "Write a short story about a fox who learns to swim."
+    plain = embedded_engine.generate(prompt, 40, mode="plain").token_ids
+    mode, embedded_engine.round.mode = embedded_engine.round.mode, "eager"
+    try:
+        for drafters in (["draft_head"], None):
+            assert embedded_engine.generate(prompt, 40, drafters=drafters).token_ids == plain
+            assert embedded_engine.round.captured is not None
+    finally:
+        embedded_engine.round.mode = mode
+
+
+@pytest.mark.parametrize("sampling", ["t1", "topk_topp"])
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_head"])
+@pytest.mark.parametrize("K", [1, 4])
+def test_emitted_tokens_follow_target(drafter, K, sampling):
+    from tests.flashspec_core.test_draft_head import tiny_head
+
+    target = tiny_llama(V, seed=1, sharpness=0.5)
+    head = tiny_head(target, draft_vocab=V - 1, seed=4)  # q has a zero where p has mass
+    cfg = SAMPLINGS[sampling]
+    engine = Engine.from_models(target, ["prompt_lookup", head], kernel_backend="torch", captured="eager")
+    first, second, out = first_two_tokens(engine, drafter, K, cfg, seed=K)
+    assert engine.round.captured is not None
+    p1, p2 = exact_laws(target, cfg)
+    assert 0 < sum(out.num_accepted) < N * K, "the test needs both accepts and rejects"
+    assert chi2(first, p1.float()) < CRITICAL
+    assert chi2(second, p2.float()) < CRITICAL
+
+
+def test_the_head_ends_each_round_as_in_eager_rounds(tiny):
+    """Same schedule, eager rounds against captured ones: the head's cache, state and guess agree every round."""
+    target, head = tiny
+    rounds = {mode: fresh_round(target, head, captured=mode) for mode in ("off", "eager")}
+    rows = {mode: [list(PROMPT)] for mode in rounds}
+    for mode, r in rounds.items():
+        r.start(rows[mode], GREEDY, torch.Generator().manual_seed(0), arms=list(r.drafters))
+    for i in range(12):
+        arm = ("draft_head", "prompt_lookup", "no_draft")[i % 3]
+        for mode, r in rounds.items():
+            r.run(rows[mode], r.drafters[arm], 3, GREEDY, None)
+        a, b = (rounds[m].drafters["draft_head"] for m in ("off", "eager"))
+        assert rows["off"] == rows["eager"] and a.cache.length == b.cache.length == len(rows["off"][0]) - 1
+        n = a.cache.length
+        torch.testing.assert_close(b.cache.k[:, :, :n], a.cache.k[:, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.h, a.h, atol=1e-5, rtol=1e-5)
+        assert torch.equal(b.guess, a.guess)
+        assert rounds["eager"].captured.length.item() == rounds["eager"].target.length
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "t1"])
+@pytest.mark.parametrize("arm", ["draft_head", "prompt_lookup", "no_draft"])
+def test_a_captured_round_reads_the_device_once(tiny, arm, sampling, monkeypatch):
+    target, head = tiny
+    round_ = fresh_round(target, head, captured="eager")
+    rows, gen = [list(PROMPT)], torch.Generator().manual_seed(0)
+    round_.start(rows, sampling, gen, arms=list(round_.drafters))
+    reads = []
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), name, reads))
+    for _ in range(3):
+        before = len(reads)
+        out = round_.run(rows, round_.drafters[arm], 3, sampling, gen)
+        assert reads[before:] == ["tolist"], reads[before:]
+        assert set(out.guesses) == {"draft_head"}
+
+
+def test_every_shape_a_stream_runs_is_listed(tiny):
+    """`shapes` (what a stream captures before it starts) covers every round the stream then runs."""
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch", captured="eager")
+    ran = []
+    for sampling in (GREEDY, T1):
+        engine.generate(PROMPT, 2)  # builds the captured round
+        c = engine.round.captured
+        original = c.run
+        c.run = lambda shape: ran.append(shape) or original(shape)
+        engine.generate(PROMPT, 60, sampling=sampling, gamma="auto")
+        listed = set(engine.round.shapes(sampling, len(PROMPT) + 60 + 17, 16))
+        assert ran and set(ran) <= listed, set(ran) - listed
+        assert any(s.head for s in ran) and any(not s.head and s.K for s in ran) and any(s.K == 0 for s in ran)
+        ran.clear()
+        c.run = original
+
+
+# -- on CUDA: the graphs themselves -------------------------------------------------------------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def cuda_engine(tiny, dtype, captured="auto"):
+    """The tiny pair on the GPU (the head built over the moved target's embedding, which it shares)."""
+    import copy
+
+    from tests.flashspec_core.test_draft_head import tiny_head
+
+    target = copy.deepcopy(tiny[0]).to("cuda", dtype)
+    return Engine.from_models(target, [tiny_head(target).to("cuda", dtype), "prompt_lookup", "ngram_cache"],
+                              captured=captured)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_graphs_replay_every_round_and_keep_greedy_exact(tiny, dtype):
+    engine = cuda_engine(tiny, dtype)
+    plain = engine.generate(PROMPT, 48, mode="plain").token_ids
+    for drafters in (["draft_head"], ["prompt_lookup"], None):
+        for gamma in ("auto", 1, 5):
+            assert engine.generate(PROMPT, 48, gamma=gamma, drafters=drafters).token_ids == plain, (drafters, gamma)
+    c = engine.round.captured
+    assert c is not None and c.use_graphs and c.graphs and c.eager_rounds == 0
+    eager = cuda_engine(tiny, dtype, captured="off")
+    assert eager.generate(PROMPT, 48, mode="plain").token_ids == plain
+
+
+@cuda
+def test_sampled_graph_streams_repeat_with_their_seed(tiny):
+    engine = cuda_engine(tiny, torch.float32)
+    runs = [engine.generate(PROMPT, 40, sampling=T1, gamma=3, drafters=["draft_head"], seed=s).token_ids
+            for s in (7, 8, 7)]
+    assert runs[0] == runs[2] and runs[0] != runs[1]
+    assert engine.round.captured.eager_rounds == 0
+
+
+@cuda
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_head"])
+def test_emitted_tokens_follow_target_through_graphs(drafter):
+    """The chi-squared test of the first emitted token, every row of one replayed graph (N rows, K = 4)."""
+    from tests.flashspec_core.test_draft_head import tiny_head
+
+    target = tiny_llama(V, seed=1, sharpness=0.5)
+    cfg = SAMPLINGS["topk_topp"]
+    p1, _ = exact_laws(target, cfg)
+    target = target.cuda()
+    head = tiny_head(target, draft_vocab=V - 1, seed=4).cuda()
+    engine = Engine.from_models(target, ["prompt_lookup", head], captured="auto")
+    rows, gen = [list(PROMPT) for _ in range(N)], torch.Generator(device="cuda").manual_seed(0)
+    engine._start(rows, cfg, gen, max_context=len(PROMPT) + 8, max_gamma=4)
+    out = engine._round(rows, engine.drafters[drafter], 4, cfg, gen)
+    c = engine.round.captured
+    assert c.graphs and c.eager_rounds == 0
+    assert 0 < sum(out.num_accepted) < N * 4, "the test needs both accepts and rejects"
+    assert chi2(torch.tensor([t[0] for t in out.tokens]), p1.float()) < CRITICAL
