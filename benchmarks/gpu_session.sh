@@ -10,6 +10,10 @@
 #            of PROBE_BATCHES
 #   p2:      stash GGUF part 2 (.carry/p2)
 #   headgo:  assemble the GGUF with part 3 (.carry/p3), start data + training in the background (TRAIN_ARGS), watch it
+# The captured round (issue 15), the GGUF in three parts likewise:
+#   r1:      stash part 1 (.carry/p1), the captured round's tests and the tree kernel's on CUDA
+#   r2:      stash part 2 (.carry/p2), the verify kernel's tests on CUDA
+#   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s)
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
 #            (the export goes to /root/head_out, never to $OUT: its 29 MB model file cannot come back; the float32
 #            shards in $OUT/ckpt can, and `train_head --resume --train-minutes 0` exports them here)
@@ -94,5 +98,18 @@ watch)
     [ -n "${EVAL_ARGS:-}" ] && python3 -m benchmarks.head ${EVAL_ARGS} 2>&1 | grep -v -i "loading weights" | tail -40
     cp benchmarks/results/head_embedded_cuda*.json "$OUT/" 2>/dev/null
   fi ;;
-*) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, headgo or watch" >&2; exit 2 ;;
+r1)  # the captured round (issue 15): stash GGUF part 1 (.carry/p1), its tests and the tree kernel's on CUDA
+  python3 -m pytest tests/flashspec_core/test_captured.py tests/flashspec_core/test_round.py tests/kernels/test_tree_verify.py \
+    -q -p no:cacheprovider -x 2>&1 | tee "$OUT/pytest_captured_cuda.log" | tail -15 ;;
+r2)  # stash GGUF part 2 (.carry/p2), and the verify kernel's tests on CUDA
+  python3 -m pytest tests/kernels/test_verify.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_verify_cuda.log" | tail -5 ;;
+r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RUN_ARGS: one run per line)
+  assemble3
+  while IFS= read -r args; do
+    [ -z "$args" ] && continue
+    echo "== benchmarks.run $args"
+    timeout ${RUN_TIMEOUT:-280} python3 -m benchmarks.run --preset embedded $args 2>&1 | grep -v -i "loading weights\|de-quantizing\|clean_up_tokenization" | tail -${RUN_TAIL:-30}
+  done <<< "${RUN_ARGS:-}"
+  cp benchmarks/results/engine_embedded_cuda*.json benchmarks/results/engine_embedded_cuda*.csv "$OUT/" 2>/dev/null ;;
+*) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, headgo, watch, r1, r2 or r3" >&2; exit 2 ;;
 esac

@@ -75,7 +75,19 @@ def run_engine(engine: Engine, prompt: str, max_new: int, seed: int, sampling: S
             "acceptance": s["acceptance"], "tokens_per_forward": s["tokens_per_forward"],
             "target_forwards": s["target_forwards"], "draft_ms_per_token": draft_ms,
             "verify_ms": 1e3 * median(e.verify_s for e in result.events), "pulls": s["pulls"],
-            "ids": result.token_ids}
+            **round_times(result.events), "ids": result.token_ids}
+
+
+def round_times(events) -> dict:
+    """Per-round wall times (each from its event's clock: prefill excluded, host work between rounds included),
+    and on CUDA the host's share: the time per round the GPU did not spend on the round's launched work."""
+    ends = [events[0].prefill_s] + [e.elapsed_s for e in events]
+    walls = [b - a for a, b in zip(ends, ends[1:])]
+    out = {"rounds": len(walls), "round_ms_median": 1e3 * median(walls), "round_ms_max": 1e3 * max(walls),
+           "round_ms_max_after_first": 1e3 * max(walls[1:]) if len(walls) > 1 else None, "host_ms_per_round": None}
+    if all(e.device_s is not None for e in events):
+        out["host_ms_per_round"] = 1e3 * (sum(walls) - sum(e.device_s for e in events)) / len(walls)
+    return out
 
 
 def run_hf(engine: Engine, prompt: str, max_new: int, **generate_kwargs) -> dict:
@@ -92,6 +104,7 @@ def run_hf(engine: Engine, prompt: str, max_new: int, **generate_kwargs) -> dict
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
     new = out[0, ids.shape[1]:].tolist()
+    new = new[:next((i + 1 for i, t in enumerate(new) if t in engine.eos_ids), len(new))]  # a static cache pads past EOS
     return {"tokens": len(new), "seconds": seconds, "tok_per_s": len(new) / seconds, "acceptance": None,
             "tokens_per_forward": None, "target_forwards": None, "draft_ms_per_token": None, "verify_ms": None,
             "pulls": None, "ids": new}
@@ -140,6 +153,12 @@ def parse_args(argv=None):
                     help="an interpreter with llama-cpp-python installed")
     ap.add_argument("--repeats", type=int, default=1, help="run every row this many times; report the median")
     ap.add_argument("--tag", default="", help="a suffix for the result files (a variant beside the main run)")
+    ap.add_argument("--captured", default="auto", choices=["auto", "eager", "off"],
+                    help="whole rounds as CUDA graphs (auto), their code without graphs (eager), or eager rounds (off)")
+    ap.add_argument("--warm-up-context", type=int, default=2048,
+                    help="the engine's warm-up captures every graph a stream of up to this many tokens can choose")
+    ap.add_argument("--hf-compiled", action="store_true",
+                    help="add Hugging Face generate() with a static cache under torch.compile (CUDA; warm-up untimed)")
     args = ap.parse_args(argv)
     args.gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
     return args
@@ -157,6 +176,7 @@ def run_rows(engine: Engine, float32, prompts: list[dict], peers: dict, args) ->
     """Every configuration on every prompt, one after the other, each against the prompt's first (plain) row."""
     configs = engine_configs(engine, args)
     hf = [] if args.no_hf else [("hf:generate", {}), ("hf:prompt_lookup_10", dict(prompt_lookup_num_tokens=10))]
+    hf += [("hf:static_compiled", dict(cache_implementation="static"))] if args.hf_compiled else []
     extra = [("float32:plain", dict(mode="plain"))] if float32 else []
     on_cuda = engine.target.device.type == "cuda"
     rows = []
@@ -166,6 +186,10 @@ def run_rows(engine: Engine, float32, prompts: list[dict], peers: dict, args) ->
             run_engine(engine, p["prompt"], max_new, args.seed, gamma=args.gamma)
             if hf:
                 run_hf(engine, p["prompt"], 16)
+            if args.hf_compiled:  # torch.compile specialises on the static cache's length: warm up at this one
+                t0 = time.perf_counter()
+                run_hf(engine, p["prompt"], max_new, cache_implementation="static")
+                print(f"{p['kind']:>24} hf:static_compiled warm-up {time.perf_counter() - t0:.1f} s", flush=True)
         plain = None
         for name, kw in configs + extra + hf + [(f"{peer}:plain", {}) for peer in peers]:
             if name in (f"{peer}:plain" for peer in peers):
@@ -179,13 +203,19 @@ def run_rows(engine: Engine, float32, prompts: list[dict], peers: dict, args) ->
             r.update(prompt=p["kind"], config=name, max_new_tokens=max_new,
                      speedup=r["tok_per_s"] / plain["tok_per_s"], same_as_plain=r["ids"] == plain["ids"])
             rows.append(r)
-            print(f"{p['kind']:>24} {name:>22} {r['tok_per_s']:7.1f} tok/s  x{r['speedup']:.2f}", flush=True)
+            host = "" if r.get("host_ms_per_round") is None else f"  host {r['host_ms_per_round']:.2f} ms/round"
+            rounds = "" if r.get("round_ms_median") is None else \
+                f"  rounds {r['round_ms_median']:.2f} ms median, {r['round_ms_max_after_first']:.2f} max after the first"
+            print(f"{p['kind']:>24} {name:>22} {r['tok_per_s']:7.1f} tok/s  x{r['speedup']:.2f}{rounds}{host}", flush=True)
     return rows
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    engine = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision=args.precision)
+    engine = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision=args.precision,
+                                captured=args.captured)
+    args.warm_up_s = engine.warm_up(args.warm_up_context)
+    print(f"engine warm-up (costs and every graph a run can choose): {args.warm_up_s:.1f} s", flush=True)
     float32 = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision="float32",
                                  drafters=[]) if args.float32_plain else None
     prompts = load_prompt_set(args.prompt_set)
@@ -212,12 +242,15 @@ def write_results(engine: Engine, rows: list[dict], peers: dict, args, argv) -> 
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}" + (f"_{args.prompt_set}" if args.prompt_set != "examples" else "") + (f"_{args.tag}" if args.tag else "")
     env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine),
-               precision=engine.precision, peers={k: v["version"] for k, v in peers.items()}, repeats=args.repeats)
+               precision=engine.precision, peers={k: v["version"] for k, v in peers.items()}, repeats=args.repeats,
+               captured=args.captured, warm_up_s=args.warm_up_s,
+               eager_rounds=getattr(engine.round.captured, "eager_rounds", None))
     payload = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
                "seed": args.seed, "gamma": args.gamma, "env": env, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2))
     fields = ["prompt", "config", "tokens", "seconds", "tok_per_s", "speedup", "acceptance", "tokens_per_forward",
-              "target_forwards", "draft_ms_per_token", "same_as_plain", "max_new_tokens"]
+              "target_forwards", "draft_ms_per_token", "same_as_plain", "max_new_tokens", "round_ms_median",
+              "round_ms_max_after_first", "host_ms_per_round"]
     with open(RESULTS / f"{stem}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -231,14 +264,17 @@ def table(rows, env) -> str:
     lines = [f"{where}, precision {env.get('precision', env['dtype'])}, {env['paths']['target']}, torch {env['torch']}, "
              f"transformers {env['transformers']}, commit {env['commit']}", "",
              "| prompt | config | tokens | tok/s | speedup vs own plain | vs llama.cpp plain | acceptance | "
-             "tokens/target forward | draft ms/token | same ids as plain |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "tokens/target forward | draft ms/token | round ms median / max after the 1st | host ms/round | "
+             "same ids as plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     llama = {r["prompt"]: r["tok_per_s"] for r in rows if r["config"] == "llama.cpp:plain"}
     for r in rows:
         peer = fmt(r["tok_per_s"] / llama[r["prompt"]], ".2f") + "x" if r["prompt"] in llama else "-"
         lines.append(f"| {r['prompt']} | {r['config']} | {r['tokens']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | {peer} | "
                      f"{fmt(r.get('acceptance'), '.2f')} | {fmt(r.get('tokens_per_forward'), '.2f')} | "
-                     f"{fmt(r.get('draft_ms_per_token'), '.1f')} | {r['same_as_plain']} |")
+                     f"{fmt(r.get('draft_ms_per_token'), '.1f')} | {fmt(r.get('round_ms_median'), '.2f')} / "
+                     f"{fmt(r.get('round_ms_max_after_first'), '.2f')} | {fmt(r.get('host_ms_per_round'), '.2f')} | "
+                     f"{r['same_as_plain']} |")
     return "\n".join(lines)
 
 
