@@ -38,6 +38,7 @@ class CapturedRound:
 
     def __init__(self, target, head: DraftHeadDrafter | None, backend: str, batch: int, graphs: bool):
         dev = target.device
+        target._fit_batch(batch)  # its caches for `batch` rows before any graph reads them (an empty cache allows it)
         self.target, self.head, self.backend, self.use_graphs = target, head, backend, graphs
         T = target.max_graph_tokens
         self.length = torch.zeros(1, dtype=torch.int64, device=dev)  # the target's cache length (the head's too)
