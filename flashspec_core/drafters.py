@@ -473,14 +473,15 @@ class DraftHeadDrafter(Drafter):
         s, n = self.cache.length, hidden.shape[1]
         following = torch.tensor([r[s + 1:s + 1 + n] for r in rows], device=self.device)  # token t + 1 of each slot
         h = self.head.step(self.cache, following, self.head.fuse(hidden.to(self.dtype)))[:, -1:]  # [B, 1, H]
-        self._keep(h)
+        self._keep(h, fixed=self.fixed is not None and self.cache is self.fixed.cache)
 
-    def _keep(self, h: torch.Tensor) -> None:
-        """The next draft's state from the first pass's last output h [B, 1, H]: into the fixed buffers when bound."""
+    def _keep(self, h: torch.Tensor, fixed: bool) -> None:
+        """The next draft's state from the first pass's last output h [B, 1, H]; fixed: into the fixed buffers (a
+        captured round reads them, whatever this drafter's own cache was when it was captured)."""
         logits = self.head.logits(h[:, -1], self.limit).float()  # draft vocabulary
         guess = self.ids[logits.argmax(dim=-1)]  # [B]
-        f = self.fixed
-        if f is not None and self.cache is f.cache:
+        if fixed:
+            f = self.fixed
             h, logits, guess = f.h.copy_(h), f.logits.copy_(logits), f.guess.copy_(guess)
         self.h, self.logits, self.guess = h, logits, guess
 
@@ -492,7 +493,7 @@ class DraftHeadDrafter(Drafter):
         the accepted count) are real; the rest are written past the new length and overwritten next round."""
         following = emitted.clamp_min(0)
         h = self.head.step_at(self.fixed.cache, following, self.head.fuse(hidden.to(self.dtype)), pos, S)
-        self._keep(h.index_select(1, kept))
+        self._keep(h.index_select(1, kept), fixed=True)
 
     def propose_at(self, k: int, length: torch.Tensor, S: int, params: torch.Tensor | None, generator) -> Proposal:
         """`propose` inside a captured round from the fixed state: draft step i writes head slot length + i (device

@@ -161,6 +161,18 @@ def test_graphs_replay_every_round_and_keep_greedy_exact(tiny, dtype):
 
 
 @cuda
+def test_the_head_drafts_the_same_in_graphs_as_in_eager_rounds(tiny):
+    """Greedy, the head alone: every round accepts as many drafts with graphs as in eager rounds (graphs captured
+    while the engine calibrates must update the head's fixed state, not a buffer of their own)."""
+    counts = {}
+    for mode in ("auto", "off"):
+        engine = cuda_engine(tiny, torch.float32, captured=mode)
+        events = engine.generate(PROMPT, 48, gamma=4, drafters=["draft_head"]).events
+        counts[mode] = [len(e.accepted) for e in events]
+    assert counts["auto"] == counts["off"] and sum(counts["off"]) > 0
+
+
+@cuda
 def test_sampled_graph_streams_repeat_with_their_seed(tiny):
     engine = cuda_engine(tiny, torch.float32)
     runs = [engine.generate(PROMPT, 40, sampling=T1, gamma=3, drafters=["draft_head"], seed=s).token_ids
