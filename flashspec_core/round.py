@@ -12,7 +12,7 @@ keeps every row exact (the distribution tests run 30,000 rows as one batch). Onl
 rows and the device state, together.
 
 Shaped for capture (the eager path here is the specification: a captured round must give its tokens):
-- One device-to-host copy a round. `_pack` puts the accepted counts, the emitted ids, row 0's drafted ids, p and
+- One device-to-host copy a round. `captured.pack` puts the accepted counts, the emitted ids, row 0's drafted ids, p and
   q values and the hidden-state readers' first-pass guesses into one float32 tensor; `HostCopy.read` reads it
   with one `.tolist()`. Nothing else in `run` reads the device (tests/flashspec_core/test_round.py counts).
 - The pending token (the last emitted id, which the next verify feeds first) stays on the device: `launch`
@@ -22,21 +22,13 @@ Shaped for capture (the eager path here is the specification: a captured round m
   pulled) and runs its first pass at once, so a head draft is K - 1 chained steps from state already on the
   device, and its first-pass guess (`Drafter.guess`, a device tensor) rides in the next round's host copy.
 
-Left for the GPU session (issue 15, items 1 and 2), per draft-length bucket K, captured at load time:
-- one CUDA graph for `launch` with the head pulled: its K draws and K - 1 chained steps (`DraftHeadDrafter.
-  propose`), the target's verify over K + 1 tokens (`StaticCausalLM` already captures that forward per (T, S),
-  its positions a device copy into `static_pos`), the accept test (`kernels.verify`, Triton), the pending gather
-  and `_pack`; a model-free arm's graph starts at the verify, with its ids copied into the static input;
-- the head's first pass over all K + 1 verify slots with the valid count n + 1 as a device tensor (slots past it
-  are masked and overwritten next round, as in StaticCausalLM's cache), in place of `land`'s host-sliced
-  `aux[:, :m + 1]`; HeadCache then needs device positions (today `HeadCache.length` is a host int).
-Stays on the host: the arm and K (bandit, gamma), the model-free drafters (host tries), the cache lengths as
-host ints (they pick the context bucket S; a launched round needs at most K + 1 more slots), the rows (text, stop
-checks, counterfactual scores). Reading one round late: with the head pulled at a fixed K, or the no-draft arm,
-round i + 1 needs nothing from round i's host copy (its pending token and head state are on the device; its
-positions would be, in the graphs), so it can be launched before that copy is read. Where the arm or K depends
-on round i's outcome (the bandit, gamma "auto"), or a stop check might end the stream, the host reads first:
-launching on a stale choice would change the tokens of a sampled stream.
+On CUDA (and on the CPU with captured="eager") `launch` hands the round to `captured.CapturedRound`: the same
+steps as one CUDA graph per shape, the head's update from the verify's hidden states inside it (all K + 1 slots
+with the accepted count as a device tensor), the cache length on the device. `land` then only reads, extends
+the rows and moves the host's lengths. Stays on the host: the arm and K (bandit, gamma), the model-free
+drafters (host tries), the cache lengths as host ints (they pick the context bucket), the rows (text, stop
+checks, counterfactual scores). Not done: launching round i + 1 before reading round i (the bandit, gamma
+"auto" and the stop checks read it first; launching on a stale choice would change a sampled stream's tokens).
 """
 from __future__ import annotations
 
@@ -44,7 +36,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from flashspec_core.captured import CapturedRound, Shape, pack
 from flashspec_core.drafters import DraftHeadDrafter, DraftModel, Drafter
