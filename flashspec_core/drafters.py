@@ -549,62 +549,62 @@ class DraftHeadDrafter(Drafter):
         best first: parents come before children and siblings are tried most probable first. The head's cache is
         cropped back to the verified slots.
 
-        The children are a function of the context (q = None, one-hot at each node's token), which makes tree
-        verification exact at any temperature; the scores use the head's own distribution (temperature 1) and
-        only decide the shape. The shape is shared by a batch, so this drafts for one row (B = 1) only.
+        The shape is shared by a batch: row 0's scores choose it (which frontier node and which of its ranked
+        children), and every row carries its own tokens at those places (its own r-th best child). The children
+        are a function of the pre-round state (q = None, one-hot at each node's token), which makes tree
+        verification exact at any temperature for every row; the scores use the head's own distribution
+        (temperature 1) and only decide the shape.
         """
-        self._check_tree(rows, depth, top_k, size)
+        self._check_tree(depth, top_k, size)
+        B = len(rows)
         if self.h is None:  # no verified features yet (a one-token prompt): an empty tree, a plain round
-            none = torch.empty((1, 0), device=self.device)
+            none = torch.empty((B, 0), device=self.device)
             return TreeProposal(DraftTree(()), none.long(), None, none)
         verified = self.cache.length
-        frontier = _Frontier(h=self.h, logits=self.logits, score=self.logits.new_zeros(1),
+        frontier = _Frontier(h=self.h, logits=self.logits[:, None], score=self.logits.new_zeros(B, 1),
                              ids=torch.full((1,), -1, dtype=torch.int64, device=self.device),
                              seen=torch.zeros((1, 0), dtype=torch.bool, device=self.device))
         scores, parents, index, count = [], [], [], 0
         for level in range(1, depth + 1):
-            score, child = frontier.children(top_k)  # [W, k] each
-            scores.append(score.flatten())
-            parents.append(frontier.ids.repeat_interleave(score.shape[1]))
-            index.append(child.flatten())
+            score, child = frontier.children(top_k)  # [B, W, k] each
+            scores.append(score.flatten(1))
+            parents.append(frontier.ids.repeat_interleave(score.shape[2]))
+            index.append(child.flatten(1))
             if level < depth:
                 frontier = self._grow(frontier, score, child, count, min(top_k, size), verified + level - 1)
-            count += score.numel()
+            count += score[0].numel()
         self.cache.crop(verified)  # the tree's slots go; the verified ones stay
-        return self._rerank(torch.cat(scores), torch.cat(parents), torch.cat(index), size)
+        return self._rerank(torch.cat(scores, 1), torch.cat(parents), torch.cat(index, 1), size)
 
-    def _check_tree(self, rows, depth, top_k, size) -> None:
-        if len(rows) != 1:
-            raise ValueError(f"a draft tree's shape is shared by the batch; propose_tree drafts for one row, "
-                             f"got {len(rows)} rows")
+    def _check_tree(self, depth, top_k, size) -> None:
         for name, value in (("depth", depth), ("top_k", top_k), ("size", size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
 
     def _grow(self, frontier: "_Frontier", score, child, first: int, width: int, position: int) -> "_Frontier":
-        """The next frontier: the `width` best of the level's children (score, child [W, k]; candidate ids from
-        `first`), run through the head in one step at `position`, each seeing the verified slots, its ancestors
-        and itself."""
-        k = score.shape[1]
-        chosen = score.flatten().sort(descending=True, stable=True).indices[:width]  # [W'] ties: earlier first
+        """The next frontier: the `width` best of the level's children by row 0's scores (score, child [B, W, k];
+        candidate ids from `first`), run through the head in one step at `position`, each seeing the verified
+        slots, its ancestors and itself."""
+        k = score.shape[2]
+        chosen = score[0].flatten().sort(descending=True, stable=True).indices[:width]  # [W'] ties: earlier first
         parent = chosen // k
-        tokens = self.ids[child.flatten()[chosen]][None]  # [1, W'] target ids
+        tokens = self.ids[child.flatten(1)[:, chosen]]  # [B, W'] target ids
         eye = torch.eye(chosen.numel(), dtype=torch.bool, device=self.device)
         seen = torch.cat([frontier.seen[parent], eye], dim=1)  # [W', S + W'] over the tree's slots in the cache
         verified = self.cache.length - frontier.seen.shape[1]
         mask = torch.cat([seen.new_ones(chosen.numel(), verified), seen], dim=1)  # [W', cache length + W']
         positions = torch.full((chosen.numel(),), position, dtype=torch.int64, device=self.device)
-        h = self.head.step(self.cache, tokens, frontier.h[:, parent], positions, mask)  # [1, W', H]
-        return _Frontier(h=h, logits=self.head.logits(h[0], self.limit).float(), score=score.flatten()[chosen],
+        h = self.head.step(self.cache, tokens, frontier.h[:, parent], positions, mask)  # [B, W', H]
+        return _Frontier(h=h, logits=self.head.logits(h, self.limit).float(), score=score.flatten(1)[:, chosen],
                          ids=first + chosen, seen=seen)
 
     def _rerank(self, scores, parents, index, size: int) -> TreeProposal:
-        """The `size` best candidates (scores, parents by candidate id, draft-vocabulary index [M]) as a tree,
-        numbered best first (ties: the earlier candidate, so a parent precedes its children)."""
-        order = scores.sort(descending=True, stable=True).indices[:size]
+        """The `size` best candidates by row 0's scores (scores [B, M], parents by candidate id [M], draft-vocabulary
+        index [B, M]) as a tree, numbered best first (ties: the earlier candidate, so a parent precedes its children)."""
+        order = scores[0].sort(descending=True, stable=True).indices[:size]
         node = {c: i for i, c in enumerate(order.tolist())}  # candidate id -> node index (one host sync)
         tree = DraftTree(tuple(node[p] if p >= 0 else -1 for p in parents[order].tolist()))
-        return TreeProposal(tree, self.ids[index[order]][None], None, scores[order][None])
+        return TreeProposal(tree, self.ids[index[:, order]], None, scores[:, order])
 
 
 @dataclass(frozen=True)
@@ -618,17 +618,17 @@ class _Fixed:
 
 @dataclass(frozen=True)
 class _Frontier:
-    """The nodes of one tree level that the head has run over, for one row."""
-    h: torch.Tensor  # [1, W, H] their head outputs (the root: the first pass's output at the last verified slot)
-    logits: torch.Tensor  # [W, draft V] float32: their children's logits
-    score: torch.Tensor  # [W] float32 cumulative draft log-probability (0 for the root)
+    """The nodes of one tree level that the head has run over (the shape shared by the rows, values per row)."""
+    h: torch.Tensor  # [B, W, H] their head outputs (the root: the first pass's output at the last verified slot)
+    logits: torch.Tensor  # [B, W, draft V] float32: their children's logits
+    score: torch.Tensor  # [B, W] float32 cumulative draft log-probability (0 for the root)
     ids: torch.Tensor  # [W] int64 candidate ids (-1 for the root)
-    seen: torch.Tensor  # [W, S] bool over the tree's S slots in the head's cache: ancestors and itself
+    seen: torch.Tensor  # [W, S] bool over the tree's S slots in the cache: ancestors and itself
 
     def children(self, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each node's top_k draft-vocabulary indices, best first, and their cumulative scores: [W, k] each."""
+        """Each node's top_k draft-vocabulary indices, best first, and their cumulative scores: [B, W, k] each."""
         logq, index = self.logits.log_softmax(dim=-1).topk(min(top_k, self.logits.shape[-1]), dim=-1)
-        return self.score[:, None] + logq, index
+        return self.score[..., None] + logq, index
 
 
 def draw(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -156,10 +156,25 @@ def test_sampling_drafts_the_same_deterministic_tree(target):
     assert hot.q is None and hot.tree == greedy.tree and torch.equal(hot.tokens, greedy.tokens)
 
 
-def test_bad_arguments_and_batches_raise(target):
+def test_a_batch_shares_row_0s_shape_with_its_own_tokens(target):
+    """Rows share the shape row 0's scores choose; each row drafts its own ranked children there."""
+    alone = drafter_at(target).propose_tree(ROWS, 4, 3, 12)
+    head = tiny_head(target)
+    drafter = DraftHeadDrafter(head, V)
+    feats = torch.randn(1, len(ROWS[0]) - 1, head.cfg.feature_size, generator=torch.Generator().manual_seed(0))
+    other = torch.randn(1, len(ROWS[0]) - 1, head.cfg.feature_size, generator=torch.Generator().manual_seed(9))
+    drafter.start(ROWS * 3, SamplingConfig(), None, torch.cat([feats, feats, other]))
+    batch = drafter.propose_tree(ROWS * 3, 4, 3, 12)
+    assert batch.tree == alone.tree and batch.q is None
+    assert torch.equal(batch.tokens[0], alone.tokens[0]) and torch.equal(batch.tokens[1], alone.tokens[0])
+    top = drafter.ids[drafter.logits[2].topk(3).indices]  # row 2's own first-level choices, best first
+    first_level = [i for i, p in enumerate(batch.tree.parents) if p < 0]
+    assert batch.tokens[2, first_level].tolist() == top[:len(first_level)].tolist()
+    assert not torch.equal(batch.tokens[2], batch.tokens[0])
+
+
+def test_bad_arguments_raise(target):
     drafter = drafter_at(target)
-    with pytest.raises(ValueError, match="one row"):
-        drafter.propose_tree(ROWS * 2, 3, 2, 4)
     for bad in ({"depth": 0}, {"top_k": 0}, {"size": -1}, {"size": 2.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             drafter.propose_tree(ROWS, **{"depth": 3, "top_k": 2, "size": 4, **bad})
