@@ -121,6 +121,16 @@ class DeviceRound:
         """One round over rows of equal length: draft, verify, accept, roll back, update."""
         return self.land(rows, self.launch(rows, drafter, k, sampling, generator))
 
+    def run_tree(self, rows: list[list[int]], drafter: DraftHeadDrafter, shape, sampling: SamplingConfig,
+                 generator) -> RoundOutput:
+        """One round that verifies a draft tree of `shape` (`tree_round.TreeSize`) from the head; eager rounds only
+        (a round built with captured="off", or on the CPU)."""
+        if self.captured is not None:
+            raise ValueError("tree rounds run eagerly: build the round with captured='off'")
+        from flashspec_core.tree_round import run_tree
+
+        return run_tree(self, rows, drafter, shape, sampling, generator)
+
     # -- the round -----------------------------------------------------------------------------------
     def launch(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator) -> Launched:
         """Draft, verify and the accept test, all on the device; nothing here reads the device."""

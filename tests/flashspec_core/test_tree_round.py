@@ -1,0 +1,96 @@
+"""Rounds that verify the head's draft trees (`flashspec_core.tree_round`): greedy output equals plain decoding on
+both target paths, the emitted tokens follow the target (chi-squared through the round, N = 30,000 rows, trees of
+width 1 (a chain), 2 and 4), and the caches end on the accepted path (the head's equals one pass over the rows)."""
+import pytest
+import torch
+
+from flashspec_core import Engine, SamplingConfig
+from flashspec_core.drafters import DraftHeadDrafter
+from flashspec_core.fast_path import fast_or_eager
+from flashspec_core.round import DeviceRound
+from flashspec_core.tree_round import TreeSize
+from tests.conftest import tiny_llama
+from tests.flashspec_core.test_distribution import CRITICAL, N, V, chi2, exact_laws
+from tests.flashspec_core.test_distribution import PROMPT as LAW_PROMPT
+from tests.flashspec_core.test_draft_head import tiny_head
+from tests.flashspec_core.test_round import GREEDY, PROMPT, fresh_round, one_pass
+
+SIZES = {"chain": TreeSize(4, 1, 4), "width2": TreeSize(3, 2, 6), "width4": TreeSize(3, 4, 12)}
+
+
+def tree_rows(round_, shape: TreeSize, sampling, seed: int, n: int) -> list[list[int]]:
+    """Tree rounds of the head until n new tokens."""
+    rows, gen = [list(PROMPT)], torch.Generator().manual_seed(seed)
+    round_.start(rows, sampling, gen, arms=list(round_.drafters))
+    while len(rows[0]) - len(PROMPT) < n:
+        round_.run_tree(rows, round_.drafters["draft_head"], shape, sampling, gen)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_llama(vocab=50, seed=3, layers=4)
+    return target, tiny_head(target)
+
+
+@pytest.mark.parametrize("fast_path", ["auto", "off"], ids=["static", "eager_hf"])
+@pytest.mark.parametrize("name", list(SIZES))
+def test_greedy_tree_rounds_equal_plain(tiny, name, fast_path):
+    target, head = tiny
+    plain = Engine.from_models(target, [head], kernel_backend="torch").generate(PROMPT, 40, mode="plain").token_ids
+    round_ = fresh_round(target, head)
+    if fast_path == "off":
+        round_.target = fast_or_eager(target.eval(), 50, mode="off")
+    rows = tree_rows(round_, SIZES[name], GREEDY, 0, 40)
+    assert rows[0][len(PROMPT):len(PROMPT) + 40] == plain
+
+
+def test_the_caches_end_on_the_accepted_path(tiny):
+    target, head = tiny
+    round_ = fresh_round(target, head)
+    rows = tree_rows(round_, SIZES["width4"], GREEDY, 0, 24)
+    drafter = round_.drafters["draft_head"]
+    slots = len(rows[0]) - 1  # every position before the pending token is verified
+    assert round_.target.length == drafter.cache.length == slots
+    cache, h = one_pass(target, head, rows[0], slots)
+    torch.testing.assert_close(drafter.cache.k[:, :, :slots], cache.k[:, :, :slots], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.h[:, -1], h, atol=1e-4, rtol=1e-4)
+    fresh = fast_or_eager(target.eval(), 50)  # the target's cache gives what a fresh prefill of the rows gives
+    want = fresh.forward(torch.tensor(rows))[:, -1]
+    torch.testing.assert_close(round_.target.forward(torch.tensor([rows[0][-1:]]))[:, -1], want, atol=1e-4, rtol=1e-4)
+
+
+def first_two_tokens(round_, shape: TreeSize, sampling, seed: int):
+    """The first and second emitted token of N identical rows, through tree rounds (rows that emitted one token
+    run a second round from their new context, grouped by that token)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [list(LAW_PROMPT) for _ in range(N)]
+    round_.start(rows, sampling, gen, arms=list(round_.drafters))
+    out = round_.run_tree(rows, round_.drafters["draft_head"], shape, sampling, gen)
+    first = [t[0] for t in out.tokens]
+    second = [t[1] if n >= 1 else None for t, n in zip(out.tokens, out.num_accepted)]
+    for tok in sorted({first[i] for i in range(N) if second[i] is None}):
+        idx = [i for i in range(N) if second[i] is None and first[i] == tok]
+        rows2 = [LAW_PROMPT + [tok] for _ in idx]
+        round_.start(rows2, sampling, gen, arms=list(round_.drafters))
+        out2 = round_.run_tree(rows2, round_.drafters["draft_head"], shape, sampling, gen)
+        for i, t in zip(idx, out2.tokens):
+            second[i] = t[0]
+    return torch.tensor(first), torch.tensor(second), out
+
+
+SAMPLINGS = {"t1": SamplingConfig(temperature=1.0), "topk_topp": SamplingConfig(temperature=0.8, top_k=4, top_p=0.9)}
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("name", list(SIZES))
+def test_emitted_tokens_follow_target(name, sampling):
+    target = tiny_llama(V, seed=1, sharpness=0.5)
+    head = tiny_head(target, draft_vocab=V - 1, seed=4)  # its top-k can miss a token p gives mass to
+    cfg, shape = SAMPLINGS[sampling], SIZES[name]
+    round_ = DeviceRound(fast_or_eager(target.eval(), V), {"draft_head": DraftHeadDrafter(head, V)}, "torch")
+    first, second, out = first_two_tokens(round_, shape, cfg, seed=len(name))
+    p1, p2 = exact_laws(target, cfg)
+    assert 0 < sum(out.num_accepted) < N * shape.depth, "the test needs both accepts and rejects"
+    assert chi2(first, p1.float()) < CRITICAL
+    assert chi2(second, p2.float()) < CRITICAL
