@@ -1,0 +1,102 @@
+"""Chains against trees of the shipped draft head, through the engine's own rounds: tokens per target forward and
+tok/s on the hand-written open prompts.
+
+    python -m benchmarks.tree_round [--prompts 12] [--max-new-tokens 96] [--precision float32] [--temperature 0]
+
+For each prompt (through the chat template) the embedded model decodes --max-new-tokens tokens four ways from the
+same state, each through `DeviceRound`: plain (K = 0), head chains of 4 and 6 (`run`), and head trees
+(`run_tree`, `TREES`), ignoring end-of-text so that every row makes the same number of tokens. Greedy rows must
+equal plain decoding token for token; at --temperature > 0 the rows are seeded samples (same seed per prompt).
+Writes JSON under benchmarks/results/ and prints a table. Numbers, not assertions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from statistics import mean
+
+import torch
+
+from benchmarks.run import RESULTS, environment, load_prompt_set
+from flashspec_core import Engine, SamplingConfig
+from flashspec_core.tree_round import TreeSize
+
+CHAINS = (4, 6)
+TREES = (TreeSize(6, 2, 10), TreeSize(6, 4, 16), TreeSize(6, 4, 32))
+
+
+def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, seed: int, max_new: int) -> dict:
+    """max_new tokens from ids by rounds of one kind: an int K (chain, 0 = plain) or a TreeSize."""
+    round_, head = engine.round, engine.drafters["draft_head"]
+    rows, gen = [list(ids)], torch.Generator().manual_seed(seed)
+    round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=list(engine.drafters))
+    forwards, t0 = 0, time.perf_counter()
+    while len(rows[0]) - len(ids) < max_new:
+        room = max_new - (len(rows[0]) - len(ids)) - 1  # drafts that still fit
+        if isinstance(config, TreeSize):
+            if room > 0:
+                round_.run_tree(rows, head, TreeSize(min(config.depth, room), config.top_k, config.size), sampling, gen)
+            else:
+                round_.run(rows, engine.drafters["no_draft"], 0, sampling, gen)
+        else:
+            round_.run(rows, head if config else engine.drafters["no_draft"], min(config, room), sampling, gen)
+        forwards += 1
+    seconds = time.perf_counter() - t0
+    new = rows[0][len(ids):len(ids) + max_new]
+    return {"tokens": len(new), "forwards": forwards, "tokens_per_forward": len(new) / forwards,
+            "tok_per_s": len(new) / seconds, "ids": new}
+
+
+def name_of(config) -> str:
+    return f"tree d{config.depth} k{config.top_k} s{config.size}" if isinstance(config, TreeSize) else \
+        ("plain" if config == 0 else f"chain {config}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--precision", default="float32", choices=["auto", "gguf", "float32"])
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    engine = Engine.from_preset("embedded", precision=args.precision, captured="off")
+    sampling = SamplingConfig(temperature=args.temperature)
+    prompts = load_prompt_set("open")[:args.prompts]
+    configs = [0, *CHAINS, *TREES]
+    rows = []
+    for i, p in enumerate(prompts):
+        ids = engine.encode(p["prompt"])
+        decode(engine, ids, 0, sampling, i, 8)  # warm-up
+        runs = {name_of(c): decode(engine, ids, c, sampling, i, args.max_new_tokens) for c in configs}
+        for name, r in runs.items():
+            r.update(prompt=p["kind"], config=name, same_as_plain=r["ids"] == runs["plain"]["ids"])
+            rows.append(r)
+        print(f"{p['kind']:>16} " + "  ".join(f"{n} {r['tokens_per_forward']:.2f}" for n, r in runs.items()), flush=True)
+    env = environment()
+    env.update(precision=engine.precision, temperature=args.temperature)
+    summary = {name_of(c): {"tokens_per_forward": mean(r["tokens_per_forward"] for r in rows if r["config"] == name_of(c)),
+                            "tok_per_s": mean(r["tok_per_s"] for r in rows if r["config"] == name_of(c)),
+                            "same_as_plain": sum(r["same_as_plain"] for r in rows if r["config"] == name_of(c))}
+               for c in configs}
+    stem = f"tree_round_cpu_{engine.precision}" + (f"_t{args.temperature:g}" if args.temperature else "") + \
+        (f"_{args.tag}" if args.tag else "")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(
+        {"command": "python -m benchmarks.tree_round " + " ".join(sys.argv[1:] if argv is None else argv), "env": env,
+         "summary": summary, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}, indent=2))
+    chain = summary[f"chain {CHAINS[-1]}"]["tokens_per_forward"]
+    print(f"\n{env['machine']}, precision {engine.precision}, temperature {args.temperature:g}, {len(prompts)} open prompts, "
+          f"{args.max_new_tokens} tokens each\n")
+    print("| config | tokens per target forward | vs chain 6 | tok/s | same ids as plain |")
+    print("|---|---:|---:|---:|---:|")
+    for name, s in summary.items():
+        print(f"| {name} | {s['tokens_per_forward']:.2f} | {s['tokens_per_forward'] / chain:.2f}x | {s['tok_per_s']:.1f} | "
+              f"{s['same_as_plain']}/{len(prompts)} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
