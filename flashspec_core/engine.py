@@ -210,12 +210,14 @@ class Engine:
 
     def stream(self, prompt, max_new_tokens: int = 64, sampling: SamplingConfig | None = None, gamma="auto",
                mode: str = "speculative", seed: int = 0, chat: bool = True, drafters: list[str] | None = None,
-               bandit: str | None = None) -> Iterator[RoundEvent]:
+               bandit: str | None = None, tree=None) -> Iterator[RoundEvent]:
         """Generate up to max_new_tokens, yielding one RoundEvent per round.
 
         gamma: K in 0..32, or "auto" (per drafter, from its acceptance and the costs measured by `calibrate`).
         drafters: names of the arms to use (default: all); one name = that drafter every round, several =
         a bandit over them and the no-draft arm. mode="plain" decodes one token a round through the same code.
+        tree: a `TreeSize(depth, top_k, size)`: the draft head drafts a tree of that shape each time it is pulled
+        (`tree_round`; eager rounds: such a stream does not replay captured rounds). None: chains of K.
         """
         sampling = SamplingConfig() if sampling is None else sampling
         if not isinstance(chat, bool):
@@ -223,11 +225,12 @@ class Engine:
         if not is_int(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be a 64-bit integer (from -2**63 to 2**64 - 1), got {shown(seed)}")
         ids = self.encode(prompt, chat)
-        arms = arms_for(Request(len(ids), max_new_tokens, sampling, gamma, mode, drafters, bandit), list(self.drafters),
-                        self.target.context_window)
+        arms = arms_for(Request(len(ids), max_new_tokens, sampling, gamma, mode, drafters, bandit, tree),
+                        list(self.drafters), self.target.context_window)
         state = StreamState(rows=[ids], sampling=sampling, gamma=gamma, mode=mode, arms=arms, max_new_tokens=max_new_tokens,
                             generator=torch.Generator(device=self.target.device).manual_seed(int(seed)),
-                            bandit=Bandit(arms, bandit or self.bandit_strategy, self.window, int(seed)) if len(arms) > 1 else None)
+                            bandit=Bandit(arms, bandit or self.bandit_strategy, self.window, int(seed)) if len(arms) > 1 else None,
+                            tree=tree)
         return self._one_stream_at_a_time(self._stream(state))
 
     @functools.cached_property
@@ -291,7 +294,8 @@ class Engine:
         s.t_start = time.perf_counter()  # generation is lazy: the clock starts with the first round's prefill
         max_gamma = MAX_AUTO_GAMMA if s.gamma == "auto" else s.gamma
         s.prefill_s = self.round.start(s.rows, s.sampling, s.generator,
-                                       len(s.rows[0]) + s.max_new_tokens + max_gamma + 1, max_gamma, s.arms)
+                                       len(s.rows[0]) + s.max_new_tokens + max_gamma + 1, max_gamma, s.arms,
+                                       captured=s.tree is None)
         while s.produced < s.max_new_tokens:
             played = self._play(s)
             self.policy.learn(s, played)
@@ -308,8 +312,12 @@ class Engine:
         """One round of the stream: the policy's arm and K, then the device round."""
         arm = self.policy.choose(s)
         limit = min(s.max_new_tokens - s.produced - 1, self.target.context_window - len(s.rows[0]) - 1)  # K + 1 fit
-        before = s.rows[0][:]
-        out = self.round.run(s.rows, self.drafters[arm], self.policy.gamma(s, arm, limit), s.sampling, s.generator)
+        before, drafter = s.rows[0][:], self.drafters[arm]
+        if s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0:  # a tree, its depth cut to fit
+            out = self.round.run_tree(s.rows, drafter, replace(s.tree, depth=min(s.tree.depth, limit)), s.sampling,
+                                      s.generator)
+        else:
+            out = self.round.run(s.rows, drafter, self.policy.gamma(s, arm, limit), s.sampling, s.generator)
         return Played(arm, limit, before, s.rows[0][len(before):], out)
 
     # The device round under the names the engine's tests have used (tests/flashspec_core: rollback and chi-squared

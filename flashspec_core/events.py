@@ -47,7 +47,7 @@ class EventBuilder:
                           draft_s=out.draft_s, verify_s=out.verify_s, round_s=out.draft_s + out.verify_s,
                           elapsed_s=time.perf_counter() - s.t_start, new_tokens=s.produced,
                           arms=s.bandit.state() if s.bandit else (), finished=finished, prefill_s=s.prefill_s,
-                          device_s=out.device_s)
+                          device_s=out.device_s, tree_nodes=out.tree[0] if out.tree else 0)
 
     def pieces(self, before: list[int], accepted: list[int], rejected: list[int], final: list[int]) -> list[str]:
         """Decoded text of each display token, each decoded after the accepted prefix it follows."""

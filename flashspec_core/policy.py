@@ -55,7 +55,8 @@ class HostPolicy:
         s.acceptance[played.arm].observe(n, K)
         if s.bandit:
             ref = 1.0 / max(self.costs.plain_step(), 1e-9)
-            s.bandit.update(played.arm, speed_reward(len(played.emitted) / max(self.cost(played.arm, K), 1e-9), ref))
+            seconds = self.cost(played.arm, K) if played.out.tree is None else self.tree_cost(played.arm, *played.out.tree)
+            s.bandit.update(played.arm, speed_reward(len(played.emitted) / max(seconds, 1e-9), ref))
             self._score_counterfactuals(s, played, ref)
 
     def _score_counterfactuals(self, s: StreamState, played: Played, ref: float) -> None:
@@ -96,6 +97,11 @@ class HostPolicy:
         if arm in played.out.guesses:
             return [played.out.guesses[arm]][:played.limit]
         return None
+
+    def tree_cost(self, arm: str, nodes: int, depth: int) -> float:
+        """A tree round's seconds as calibrated: a draft step per level (each level's step runs over several nodes
+        at once, which this counts as one) and a target forward over the tree's nodes + 1."""
+        return depth * self.draft_steps[arm] + self.costs.forward(nodes + 1)
 
     def cost(self, arm: str, K: int) -> float:
         """A round's seconds as calibrated: K draft steps of the arm and a target forward over K + 1 tokens."""

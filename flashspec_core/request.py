@@ -10,6 +10,7 @@ from flashspec_core.checks import is_int, shown
 from flashspec_core.drafters import NoDraft
 from flashspec_core.gamma import MAX_GAMMA
 from flashspec_core.sampling import SamplingConfig
+from flashspec_core.tree_round import TreeSize
 
 MODES = ("speculative", "plain")
 
@@ -24,6 +25,7 @@ class Request:
     mode: object  # one of MODES
     drafters: object  # None (all) or a list of drafter names
     bandit: object  # None (the engine's strategy) or one of STRATEGIES
+    tree: object = None  # None (chains) or a tree_round.TreeSize for the draft head's rounds
 
 
 def arms_for(r: Request, drafters: list[str], window: int) -> list[str]:
@@ -57,5 +59,7 @@ def _check_settings(r: Request, window: int) -> None:
                          f"model's context window of {window} tokens")
     if r.gamma != "auto" and (not isinstance(r.gamma, int) or isinstance(r.gamma, bool) or not 0 <= r.gamma <= MAX_GAMMA):
         raise ValueError(f"gamma must be an integer in 0..{MAX_GAMMA} or 'auto', got {shown(r.gamma)}")
+    if r.tree is not None and not isinstance(r.tree, TreeSize):
+        raise ValueError(f"tree must be None or a TreeSize(depth, top_k, size), got {shown(r.tree)}")
     if r.bandit is not None and (not isinstance(r.bandit, str) or r.bandit not in STRATEGIES):
         raise ValueError(f"unknown bandit strategy {shown(r.bandit)}; expected one of {sorted(STRATEGIES)}")

@@ -94,15 +94,16 @@ class DeviceRound:
 
     # -- the two calls -------------------------------------------------------------------------------
     def start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
-              max_context: int | None = None, max_gamma: int = MAX_AUTO_GAMMA, arms: list[str] | None = None) -> float:
+              max_context: int | None = None, max_gamma: int = MAX_AUTO_GAMMA, arms: list[str] | None = None,
+              captured: bool = True) -> float:
         """Prefill the target (all but the last token: each round feeds the pending token) and the drafters;
         returns the seconds it took. The target reports hidden states from here on only if one of `arms`
-        (default: every drafter) reads them."""
+        (default: every drafter) reads them. captured=False: this stream runs eager rounds (tree rounds do)."""
         t0 = time.perf_counter()
         readers = [self.drafters[a] for a in (arms or self.drafters)]
         self.target.aux_layers = next((d.aux_layers for d in readers if d.aux_layers), ())
         self.target.reset()
-        self._capture(len(rows), sampling, max_context, max_gamma)
+        self._capture(len(rows), sampling, max_context, max_gamma, captured)
         hidden = None
         if len(rows[0]) > 1:
             self.target.forward(torch.tensor([r[:-1] for r in rows], device=self.device), logits_to_keep=1)
@@ -210,10 +211,11 @@ class DeviceRound:
             return []
         return [name for name, d in self.drafters.items() if d.aux_layers and d.guess is not None]
 
-    def _capture(self, batch: int, sampling: SamplingConfig, max_context: int | None, max_gamma: int) -> None:
+    def _capture(self, batch: int, sampling: SamplingConfig, max_context: int | None, max_gamma: int,
+                 captured: bool = True) -> None:
         """CUDA graphs: captured once per shape, kept on each model and on the captured round (a no-op without
-        graphs). Builds the captured round where it applies (`captured`)."""
-        self.captured = self._captured_round(batch)
+        graphs). Builds the captured round where it applies (`captured`) and is wanted."""
+        self.captured = self._captured_round(batch) if captured else None
         if not max_context:
             return
         if self.captured is not None:

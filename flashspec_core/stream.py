@@ -43,6 +43,7 @@ class RoundEvent:
     finished: str | None  # "eos" | "length" | None
     prefill_s: float = 0.0  # the stream's prefill (the same on every event), included in elapsed_s
     device_s: float | None = None  # CUDA: GPU time of the round's launched work after drafting (RoundOutput's)
+    tree_nodes: int = 0  # a tree round: the draft tree's nodes verified in its one target forward (0: a chain)
 
     @property
     def emitted(self) -> tuple[int, ...]:
@@ -72,6 +73,7 @@ class RoundOutput:
     guesses: dict[str, int] = field(default_factory=dict)  # row 0: each hidden-state reader's first-pass top
     # token at the pre-round context (what it would have drafted first), for its counterfactual score
     device_s: float | None = None  # CUDA: the GPU's time from the end of drafting to the end of the round's launch
+    tree: tuple[int, int] | None = None  # a tree round's (nodes verified, depth); None for a chain
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class StreamState:
     produced: int = 0  # tokens emitted so far
     index: int = 0  # rounds so far
     open: list[Counterfactual] = field(default_factory=list)  # counterfactual proposals not yet decided
+    tree: object = None  # a tree_round.TreeSize: the draft head drafts trees of it (None: chains)
 
     def __post_init__(self):
         self.acceptance = {a: Acceptance() for a in self.arms}

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flashspec_core.checks import is_int, shown
 from flashspec_core.drafters import DraftHeadDrafter
+from flashspec_core.gamma import MAX_GAMMA
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from flashspec_core.stream import RoundOutput
 from kernels import verify_tree
@@ -27,6 +29,12 @@ class TreeSize:
     depth: int  # levels below the pending token
     top_k: int  # children per expanded node, and nodes expanded per level
     size: int  # nodes kept (the tree verified in one forward has size + 1 slots)
+
+    def __post_init__(self):
+        for name in ("depth", "top_k", "size"):
+            value = getattr(self, name)
+            if not is_int(value) or not 1 <= value <= MAX_GAMMA:
+                raise ValueError(f"tree {name} must be an integer in 1..{MAX_GAMMA}, got {shown(value)}")
 
 
 def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: TreeSize, sampling: SamplingConfig,
@@ -80,7 +88,8 @@ def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, gues
     p = [p_row[i] for i in shown] + [p_row[tree.N]]
     draft_s, verify_s, device_s = timer.done()
     return RoundOutput(counts, [t + [-1] * (K + 1 - len(t)) for t in tokens], draft, p, [1.0] * K, draft_s,
-                       verify_s, {name: int(g) for name, g in zip(guessers, guess_row)}, device_s)
+                       verify_s, {name: int(g) for name, g in zip(guessers, guess_row)}, device_s,
+                       tree=(tree.N, tree.max_depth))
 
 
 def pack_tree(result, p: torch.Tensor, drafted: torch.Tensor, guesses: list[torch.Tensor], tree) -> torch.Tensor:

@@ -94,3 +94,35 @@ def test_emitted_tokens_follow_target(name, sampling):
     assert 0 < sum(out.num_accepted) < N * shape.depth, "the test needs both accepts and rejects"
     assert chi2(first, p1.float()) < CRITICAL
     assert chi2(second, p2.float()) < CRITICAL
+
+
+@pytest.mark.parametrize("drafters", [["draft_head"], None], ids=["head", "bandit"])
+def test_engine_streams_with_trees_equal_plain(tiny, drafters):
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch")
+    plain = engine.generate(PROMPT, 40, mode="plain").token_ids
+    result = engine.generate(PROMPT, 40, drafters=drafters, tree=SIZES["width4"])
+    assert result.token_ids == plain
+    trees = [e for e in result.events if e.drafter == "draft_head" and e.gamma]  # the last round may have no room
+    assert trees and all(e.tree_nodes > 0 for e in trees)
+    assert all(e.tree_nodes == 0 for e in result.events if e.drafter != "draft_head")
+
+
+def test_the_embedded_engine_streams_trees(embedded_engine):
+    prompt = "Write a short story about a fox who learns to swim."
+    plain = embedded_engine.generate(prompt, 32, mode="plain").token_ids
+    result = embedded_engine.generate(prompt, 32, drafters=["draft_head"], tree=TreeSize(5, 3, 12))
+    assert result.token_ids == plain and result.stats["tokens_per_forward"] > 1.5
+
+
+@pytest.mark.parametrize("bad", [(0, 2, 4), (3, 0, 4), (3, 2, 0), (3, 2, 33), (2.5, 2, 4)])
+def test_bad_tree_sizes_raise(bad):
+    with pytest.raises(ValueError, match="tree"):
+        TreeSize(*bad)
+
+
+def test_a_tree_that_is_not_a_size_raises(tiny):
+    target, head = tiny
+    engine = Engine.from_models(target, [head], kernel_backend="torch")
+    with pytest.raises(ValueError, match="TreeSize"):
+        engine.generate(PROMPT, 8, tree=(3, 2, 4))
