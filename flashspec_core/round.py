@@ -163,15 +163,14 @@ class DeviceRound:
         if launched.captured:
             self._update_captured(rows, L + m)
         else:
-            self._update(rows, L + m, m + 1)
+            self._update(rows, L + m, None if self.target.aux is None else self.target.aux[:, :m + 1])
         draft_s, verify_s, device_s = launched.timer.done()
         return RoundOutput(host.num_accepted, host.tokens, host.draft, host.p, host.q, draft_s, verify_s, host.guesses,
                            device_s)
 
-    def _update(self, rows: list[list[int]], kept: int, verified: int) -> None:
-        """Every drafter learns the round; the hidden-state readers get the features of the `verified` new
-        positions (the pending token and the accepted drafts), whichever arm drafted."""
-        hidden = None if self.target.aux is None else self.target.aux[:, :verified]
+    def _update(self, rows: list[list[int]], kept: int, hidden: torch.Tensor | None) -> None:
+        """Every drafter learns the round; the hidden-state readers get `hidden` [B, n, F], the target's features
+        of the n newly verified positions (the pending token and the accepted drafts), whichever arm drafted."""
         for d in self.drafters.values():
             d.observe(rows, kept, hidden=hidden if d.aux_layers else None)
 

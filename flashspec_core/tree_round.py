@@ -1,7 +1,8 @@
 """A round that verifies a draft tree: the head drafts a tree (`DraftHeadDrafter.propose_tree`), the target reads
 it in one forward under the tree's mask (`forward_tree`), the exact tree test (`kernels.verify_tree`) walks it,
 the target's cache keeps the accepted path only (`compact`) and every drafter learns the round (the head from the
-hidden states of the kept slots). Eager on every model path; one device-to-host copy a round (`pack_tree`).
+hidden states of the kept slots). Eager on every model path; one device-to-host copy a round (`pack_tree`)
+besides the one the head's drafting makes for the tree's shape (`DraftHeadDrafter._rerank`).
 
     run_tree(round, rows, drafter, TreeSize(depth, top_k, size), sampling, generator) -> RoundOutput
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from flashspec_core.checks import is_int, shown
 from flashspec_core.drafters import DraftHeadDrafter
 from flashspec_core.gamma import MAX_GAMMA
+from flashspec_core.round import RoundTimer
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from flashspec_core.stream import RoundOutput
 from kernels import verify_tree
@@ -40,8 +42,6 @@ class TreeSize:
 def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: TreeSize, sampling: SamplingConfig,
              generator) -> RoundOutput:
     """One tree round over rows of equal length (`round_` a `DeviceRound`): draft, verify, accept, compact, update."""
-    from flashspec_core.round import RoundTimer  # the timer is the chain round's
-
     timer, target = RoundTimer(round_.device), round_.target
     guessers = round_._guessers()
     guesses = [round_.drafters[name].guess for name in guessers]
@@ -59,23 +59,18 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     B, D = len(rows), tree.max_depth
     counts = [int(r[0]) for r in host[:B]]
     tokens = [[int(t) for t in r[1:D + 2]] for r in host[:B]]
-    path = [int(x) for x in host[0][D + 2:2 * D + 2]]
+    paths = [[int(x) for x in r[D + 2:2 * D + 2]] for r in host[:B]]
     m, L = min(counts), len(rows[0])
     for row, toks in zip(rows, tokens):  # accept
         row.extend(toks[:m + 1])
-    kept = tree.kept_slots(result.path, start)[:, :m + 1]  # roll back: the root and the first m accepted nodes
-    target.compact(kept)
+    kept = torch.tensor([[start] + [start + 1 + node for node in path[:m]] for path in paths])  # [B, m+1]
+    target.compact(kept)  # roll back: the root and the first m accepted nodes of each row
     round_.pending = result.tokens[:, m:m + 1]
-    _update(round_, rows, L + m, (kept - start).to(target.aux.device) if target.aux is not None else None)
-    return _output(tree, proposal.tokens[0].tolist(), counts, tokens, path, host[B], host[B + 1], guessers, timer)
-
-
-def _update(round_, rows, kept: int, slots: torch.Tensor | None) -> None:
-    """Every drafter learns the round; the hidden-state readers get the features of the kept slots [B, m+1]."""
-    aux = round_.target.aux
-    hidden = None if aux is None else aux.gather(1, slots[..., None].expand(-1, -1, aux.shape[-1]))
-    for d in round_.drafters.values():
-        d.observe(rows, kept, hidden=hidden if d.aux_layers else None)
+    aux = target.aux  # [B, N+1, F] by slot: the kept ones' features, in path order
+    hidden = None if aux is None else aux.gather(1, (kept - start).to(aux.device)[..., None].expand(-1, -1, aux.shape[-1]))
+    round_._update(rows, L + m, hidden)
+    nodes = [int(t) for t in host[B + 2][:tree.N]]
+    return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], guessers, timer)
 
 
 def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, guessers, timer) -> RoundOutput:
@@ -93,11 +88,11 @@ def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, gues
 
 
 def pack_tree(result, p: torch.Tensor, drafted: torch.Tensor, guesses: list[torch.Tensor], tree) -> torch.Tensor:
-    """The tree round's host record in one float32 tensor [B + 2, W], copied to the host once.
+    """The tree round's host record in one float32 tensor [B + 3, W], copied to the host once.
 
     Rows 0..B-1: [num_accepted, tokens (D + 1), path (D)]. Row B: row 0's p of every node's token (drafted [B, N])
     at its parent's slot (N values), then p of its emitted token at the slot where its walk stopped. Row B+1: the
-    guesses' row 0. p is [B, N+1, V]. Ids < 2^24 are exact in float32."""
+    guesses' row 0. Row B+2: row 0's drafted tokens. p is [B, N+1, V]. Ids < 2^24 are exact in float32."""
     n0 = result.num_accepted[:1]  # [1]
     p_nodes = p[0].index_select(0, tree.parent_slots(p.device)).gather(-1, drafted[0][:, None]).squeeze(-1)  # [N]
     last = result.path[0].gather(0, (n0 - 1).clamp(min=0))  # the last accepted node (if any)
@@ -105,6 +100,6 @@ def pack_tree(result, p: torch.Tensor, drafted: torch.Tensor, guesses: list[torc
     p_last = p[0].index_select(0, stop).gather(-1, result.tokens[0].gather(0, n0)[:, None]).view(1)
     guess = torch.stack([g[0] for g in guesses]).float() if guesses else p.new_zeros(0)
     parts = [torch.cat([result.num_accepted[:, None], result.tokens, result.path], dim=1).float(),
-             torch.cat([p_nodes, p_last])[None], guess[None]]
+             torch.cat([p_nodes, p_last])[None], guess[None], drafted[:1].float()]
     W = max(x.shape[1] for x in parts)
     return torch.cat([F.pad(x, (0, W - x.shape[1])) for x in parts], dim=0)

@@ -101,10 +101,12 @@ def counting(original, name: str, reads: list[str]):
     return read
 
 
+@pytest.mark.parametrize("captured", ["auto", "eager"], ids=["eager_rounds", "captured_rounds"])
 @pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "t1"])
 @pytest.mark.parametrize("arm", ["draft_head", "prompt_lookup", "no_draft"])
-def test_a_round_reads_the_device_once(target, head, arm, sampling, monkeypatch):
-    round_ = fresh_round(target, head)
+def test_a_round_reads_the_device_once(target, head, arm, sampling, captured, monkeypatch):
+    """Eager rounds (what "auto" runs on the CPU) and captured rounds (`flashspec_core.captured`, run eagerly)."""
+    round_ = fresh_round(target, head, captured=captured)
     assert isinstance(round_.target, StaticCausalLM)  # the product path (Hugging Face's own forward reads more)
     rows, gen = [list(PROMPT)], torch.Generator().manual_seed(0)
     round_.start(rows, sampling, gen, arms=list(round_.drafters))
