@@ -436,6 +436,29 @@ def test_gguf_verify_equals_one_token_steps_bit_for_bit(tmp_path):
     torch.testing.assert_close(verify, hf_logits(model, prompt[0].tolist() + new[0].tolist(), 7), atol=0.5, rtol=0.05)
 
 
+def test_gguf_scripted_layers_equal_the_python_loop_bit_for_bit(tmp_path):
+    """The TorchScript layer loop runs the Python loop's ops: the same logits and aux hidden states, chain and tree."""
+    from flashspec_core.tree import DraftTree
+    from tests.flashspec_core.test_gguf_weights import write_gguf
+
+    model = build(seed=5, std=0.3)
+    gguf = write_gguf(model, tmp_path / "tiny.gguf")
+    scripted, python = (StaticCausalLM(model, max_len=64, gguf=gguf, script=s) for s in (True, False))
+    assert scripted._loop is not None and python._loop is None
+    g = torch.Generator().manual_seed(3)
+    prompt, new = torch.randint(0, 97, (1, 11), generator=g), torch.randint(0, 97, (1, 5), generator=g)
+    tree = DraftTree.full((2, 2))
+    tree_ids = torch.randint(0, 97, (1, tree.N + 1), generator=g)
+    outs = []
+    for lm in (scripted, python):
+        lm.aux_layers = (1, 0)
+        first = lm.forward(prompt), lm.aux
+        second = lm.forward(new[:, :1]), lm.forward(new[:, 1:]), lm.aux
+        outs.append((*first, *second, lm.forward_tree(tree_ids, tree), lm.aux))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_gguf_logits_within_tolerance_of_float32_on_the_embedded_model(request):
     from flashspec_core.models import ModelUnavailableError, embedded_gguf, embedded_package_present
 
