@@ -1,5 +1,6 @@
 """A Llama GGUF file's weights at their own precision, for the CPU: each Q4_1 matrix becomes packed 4-bit weights
-for torch's `_weight_int4pack_mm_for_cpu`, without re-quantising; Q8_0 and F32 tensors are dequantised, and a
+for the native kernel (`Q4_1Weight`, `csrc/q4_1.cpp`, the file's blocks as they are) or for torch's
+`_weight_int4pack_mm_for_cpu` (`Int4Weight`, scales rounded to bfloat16), without re-quantising; Q8_0 and F32 tensors are dequantised, and a
 large Q8_0 matrix (the tied embedding as LM head) can run as int8 weights with one scale per row
 (`Int8Weight`, torch's `_weight_int8pack_mm`): a re-quantisation, 2.5x faster than bfloat16 there.
 
@@ -71,7 +72,32 @@ def int8_rows(weight: torch.Tensor, dtype=torch.bfloat16) -> Int8Weight:
     return Int8Weight(values.contiguous(), scales)
 
 
-PACKED = (Int4Weight, Int8Weight)  # weights that multiply through their own kernel
+@dataclass(frozen=True)
+class Q4_1Weight:
+    """A [N, K] Q4_1 matrix packed for the native kernel (`csrc/q4_1.cpp`, `torch.ops.flashspec.q4_1_linear`): the
+    file's own blocks (weight = d * q + m, d and m float16, no rounding), 16 output rows at a time; activations
+    are quantised per block of 32 to int8 (llama.cpp's Q8_1) and each block's product is an exact integer sum."""
+    packed: torch.Tensor  # uint8 [N / 16, K / 32, 256]
+    dm: torch.Tensor  # float16 [N / 16, K / 32, 2, 16]: d and m of each block of 16 rows
+    shape: tuple[int, int]  # (N, K)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] (float32 or bfloat16) @ W.T -> float32 [..., N]; each output row depends on its own input row."""
+        out = torch.ops.flashspec.q4_1_linear(x.reshape(-1, self.shape[1]), self.packed, self.dm)
+        return out.view(*x.shape[:-1], self.shape[0])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [N, K] = d * q + m, unpacked."""
+        G, B, _ = self.packed.shape
+        nibbles = self.packed.view(G, B, 4, 16, 4)
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)  # [G, B, quad, row, 4]
+        q = q.permute(0, 3, 1, 2, 4).reshape(self.shape).float()
+        dm = self.dm.float().permute(1, 2, 0, 3).reshape(B, 2, -1)  # [B, 2, N]
+        d, m = (dm[:, i].t().repeat_interleave(GROUP, dim=1) for i in (0, 1))  # [N, K] each
+        return q * d + m
+
+
+PACKED = (Int4Weight, Int8Weight, Q4_1Weight)  # weights that multiply through their own kernel
 
 
 def int4_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype=torch.bfloat16) -> Int4Weight:
@@ -87,6 +113,21 @@ def int4_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype=torch.b
     scales_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K / 32, N, 2]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INNER_K_TILES)
     return Int4Weight(packed, scales_zeros, (N, K))
+
+
+def q4_1_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4_1Weight:
+    """q [N, K] in 0..15, d and m [N, K / 32] (float16 values, any float dtype) -> Q4_1Weight. Rows 16g..16g+15,
+    block b: 4 chunks of 64 bytes, chunk c holding row r's weights 4c..4c+3 (low nibbles) and 4c+16..4c+19 (high
+    nibbles) at bytes 4r..4r+3: one 512-bit lane per row, as the kernel's int8 dot products take them."""
+    N, K = q.shape
+    if K % GROUP or N % 16 or d.shape != (N, K // GROUP) or m.shape != d.shape:
+        raise ValueError(f"q {tuple(q.shape)} needs N a multiple of 16, K of {GROUP}, and d, m of shape "
+                         f"{(N, K // GROUP)}; got {tuple(d.shape)} and {tuple(m.shape)}")
+    G, B = N // 16, K // GROUP
+    quads = q.to(torch.uint8).view(G, 16, B, 8, 4).permute(0, 2, 3, 1, 4)  # [G, B, quad, row, 4]
+    packed = (quads[:, :, :4] | (quads[:, :, 4:] << 4)).reshape(G, B, 256).contiguous()
+    dm = torch.stack([d.half().view(G, 16, B), m.half().view(G, 16, B)], dim=2).permute(0, 3, 2, 1).contiguous()
+    return Q4_1Weight(packed, dm, (N, K))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -155,6 +196,11 @@ class GGUFFile:
         (q/k/v, gate/up: one product instead of several)."""
         parts = [self.q4_1(n) for n in names]
         return int4_weight(*(torch.cat([p[i] for p in parts]) for i in range(3)), dtype=dtype)
+
+    def q4_1_weight(self, names: list[str]) -> Q4_1Weight:
+        """One Q4_1Weight (the native kernel's) over Q4_1 matrices that share their input, outputs side by side."""
+        parts = [self.q4_1(n) for n in names]
+        return q4_1_weight(*(torch.cat([p[i] for p in parts]) for i in range(3)))
 
     def dequantized(self, name: str) -> torch.Tensor:
         """Any tensor as float32 [rows, ...] in Hugging Face's order, through `gguf`'s own dequantisation."""
