@@ -17,9 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 GROUP = 32  # weights per Q4_1 / Q8_0 block, and per group of the 4-bit kernel
 Q4_1_BYTES = 20  # per block: d (float16), m (float16), 16 bytes of nibbles
+Q8_0_BYTES = 34  # per block: d (float16), 32 int8
 INNER_K_TILES = 2  # the CPU packing ignores it; the op requires one of 2, 4, 8
 
 
@@ -97,7 +99,28 @@ class Q4_1Weight:
         return q * d + m
 
 
-PACKED = (Int4Weight, Int8Weight, Q4_1Weight)  # weights that multiply through their own kernel
+@dataclass(frozen=True)
+class Q8_0Weight:
+    """A [N, K] Q8_0 matrix (weight = d * q, q int8, d float16 per block of 32) packed for the native kernel
+    (`torch.ops.flashspec.q8_0_linear`): the file's own blocks, times activations quantised per block of 32."""
+    packed: torch.Tensor  # uint8 [N / 16, K / 32, 512]: q + 128
+    d: torch.Tensor  # float16 [N / 16, K / 32, 16]
+    shape: tuple[int, int]  # (N, K)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] (float32 or bfloat16) @ W.T -> float32 [..., N]; each output row depends on its own input row."""
+        out = torch.ops.flashspec.q8_0_linear(x.reshape(-1, self.shape[1]), self.packed, self.d)
+        return out[:, :self.shape[0]].view(*x.shape[:-1], self.shape[0])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [N, K] = d * q, unpacked."""
+        G, B, _ = self.packed.shape
+        q = (self.packed.view(G, B, 8, 16, 4).to(torch.int32) - 128).permute(0, 3, 1, 2, 4).reshape(G * 16, -1)
+        d = self.d.float().permute(0, 2, 1).reshape(-1, B).repeat_interleave(GROUP, dim=1)  # [N padded, K]
+        return (q.float() * d)[:self.shape[0]]
+
+
+PACKED = (Int4Weight, Int8Weight, Q4_1Weight, Q8_0Weight)  # weights that multiply through their own kernel
 
 
 def int4_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype=torch.bfloat16) -> Int4Weight:
@@ -128,6 +151,31 @@ def q4_1_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4_1Weight
     packed = (quads[:, :, :4] | (quads[:, :, 4:] << 4)).reshape(G, B, 256).contiguous()
     dm = torch.stack([d.half().view(G, 16, B), m.half().view(G, 16, B)], dim=2).permute(0, 3, 2, 1).contiguous()
     return Q4_1Weight(packed, dm, (N, K))
+
+
+def q8_0_weight(q: torch.Tensor, d: torch.Tensor) -> Q8_0Weight:
+    """q [N, K] int8, d [N, K / 32] (float16 values) -> Q8_0Weight: rows 16g..16g+15 (N padded with zero rows to a
+    multiple of 16), block b: 8 chunks of 64 bytes, chunk j holding row r's q + 128 for weights 4j..4j+3 at bytes
+    4r..4r+3."""
+    N, K = q.shape
+    if K % GROUP or d.shape != (N, K // GROUP):
+        raise ValueError(f"q {tuple(q.shape)} needs K a multiple of {GROUP} and d of shape {(N, K // GROUP)}; "
+                         f"got {tuple(d.shape)}")
+    pad = -N % 16  # zero rows up to a multiple of 16 (a vocabulary of any size); their outputs are dropped
+    q, d = F.pad(q, (0, 0, 0, pad)), F.pad(d, (0, 0, 0, pad))
+    G, B = (N + pad) // 16, K // GROUP
+    unsigned = (q.to(torch.int32) + 128).to(torch.uint8)
+    packed = unsigned.view(G, 16, B, 8, 4).permute(0, 2, 3, 1, 4).reshape(G, B, 512).contiguous()
+    return Q8_0Weight(packed, d.half().view(G, 16, B).permute(0, 2, 1).contiguous(), (N, K))
+
+
+def q8_0_blocks(raw: np.ndarray, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's bytes [N, K / 32 * 34] -> q int8 [N, K], d float32 [N, K / 32]."""
+    N = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(N, K // GROUP, Q8_0_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(N, K)
+    return torch.from_numpy(q), torch.from_numpy(d)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -201,6 +249,16 @@ class GGUFFile:
         """One Q4_1Weight (the native kernel's) over Q4_1 matrices that share their input, outputs side by side."""
         parts = [self.q4_1(n) for n in names]
         return q4_1_weight(*(torch.cat([p[i] for p in parts]) for i in range(3)))
+
+    def q8_0_weight(self, name: str) -> Q8_0Weight:
+        """A Q8_0 matrix (the tied embedding as LM head) as the native kernel's Q8_0Weight, in Hugging Face's order."""
+        t = self._tensor(name)
+        if t.tensor_type.name != "Q8_0":
+            raise ValueError(f"tensor {name!r} is {t.tensor_type.name}, not Q8_0")
+        N, K = int(t.shape[1]), int(t.shape[0])
+        q, d = q8_0_blocks(np.asarray(t.data), K)
+        order = hf_row_order(name, N, self.n_heads, self.n_kv_heads)
+        return q8_0_weight(q, d) if order is None else q8_0_weight(q[order], d[order])
 
     def dequantized(self, name: str) -> torch.Tensor:
         """Any tensor as float32 [rows, ...] in Hugging Face's order, through `gguf`'s own dequantisation."""

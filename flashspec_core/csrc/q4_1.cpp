@@ -37,6 +37,7 @@ struct Activations {  // one forward's rows, quantised per block
   std::vector<int8_t> q;  // [T, K]
   std::vector<float> d;   // [T, K / 32]
   std::vector<float> s;   // [T, K / 32]: d * sum of the block's q
+  std::vector<int32_t> sum;  // [T, K / 32]: sum of the block's q
 };
 
 // One block of 32: q = round-half-even(v / d) with d = max|v| / 127 (q = 0 where d = 0); returns sum of q.
@@ -69,7 +70,8 @@ int32_t quantize_block_vnni(const float* v, int8_t* q, float& d) {  // the same 
 Activations quantize(const at::Tensor& x, bool portable) {
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t T = xf.size(0), K = xf.size(1), B = K / QK;
-  Activations a{std::vector<int8_t>(T * K), std::vector<float>(T * B), std::vector<float>(T * B)};
+  Activations a{std::vector<int8_t>(T * K), std::vector<float>(T * B), std::vector<float>(T * B),
+                std::vector<int32_t>(T * B)};
   const float* src = xf.data_ptr<float>();
   for (int64_t i = 0; i < T * B; ++i) {  // block i = row i / B, block i % B: rows are contiguous
     float d;
@@ -81,6 +83,7 @@ Activations quantize(const at::Tensor& x, bool portable) {
 #endif
     a.d[i] = d;
     a.s[i] = d * static_cast<float>(sum);
+    a.sum[i] = sum;
   }
   return a;
 }
@@ -152,6 +155,105 @@ void group_vnni(const uint8_t* w, const at::Half* dm, const Activations& a, int6
   for (int64_t i = 0; i < nt; ++i) _mm512_storeu_ps(out + (t0 + i) * N + g * ROWS, acc[i]);
 }
 #endif
+
+// Q8_0 (weight = d * q, q int8, d float16 per block of 32), stored as q + 128 (uint8, for the unsigned operand of
+// the int8 dot product): rows 16g..16g+15, block b: 8 chunks of 64 bytes, chunk j holding row r's weights
+// 4j..4j+3 at bytes 4r..4r+3. A block's exact sum is sum (q + 128) * xq - 128 * sum xq; then
+// acc = fma(float(sum), dw * dx, acc), block after block.
+void q8_group_portable(const uint8_t* w, const at::Half* dw, const Activations& a, int64_t K, int64_t t0, int64_t nt,
+                       float* out, int64_t N, int64_t g) {
+  const int64_t B = K / QK;
+  float acc[TILE][ROWS] = {};
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* wb = w + b * 512;
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t t = t0 + i;
+      const int8_t* xq = a.q.data() + t * K + b * QK;
+      for (int64_t r = 0; r < ROWS; ++r) {
+        int32_t isum = 0;
+        for (int64_t j = 0; j < 8; ++j)
+          for (int64_t k = 0; k < 4; ++k) isum += static_cast<int32_t>(wb[j * 64 + r * 4 + k]) * xq[j * 4 + k];
+        isum -= 128 * a.sum[t * B + b];
+        acc[i][r] = std::fma(static_cast<float>(isum), static_cast<float>(dw[b * ROWS + r]) * a.d[t * B + b], acc[i][r]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nt; ++i) std::memcpy(out + (t0 + i) * N + g * ROWS, acc[i], sizeof(acc[i]));
+}
+
+#if FLASHSPEC_VNNI
+template <int64_t nt>
+void q8_group_vnni(const uint8_t* w, const at::Half* dw, const Activations& a, int64_t K, int64_t t0, float* out,
+                   int64_t N, int64_t g) {
+  const int64_t B = K / QK;
+  __m512 acc[nt];
+  for (int64_t i = 0; i < nt; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* wb = w + b * 512;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dw + b * ROWS)));
+    __m512i s0[nt], s1[nt];
+    for (int64_t i = 0; i < nt; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+      const __m512i q0 = _mm512_loadu_si512(wb + j * 64), q1 = _mm512_loadu_si512(wb + (j + 1) * 64);
+      for (int64_t i = 0; i < nt; ++i) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + (t0 + i) * K + b * QK);
+        s0[i] = _mm512_dpbusd_epi32(s0[i], q0, _mm512_set1_epi32(xq[j]));
+        s1[i] = _mm512_dpbusd_epi32(s1[i], q1, _mm512_set1_epi32(xq[j + 1]));
+      }
+    }
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t t = t0 + i;
+      const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0[i], s1[i]), _mm512_set1_epi32(128 * a.sum[t * B + b]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(a.d[t * B + b])), acc[i]);
+    }
+  }
+  for (int64_t i = 0; i < nt; ++i) _mm512_storeu_ps(out + (t0 + i) * N + g * ROWS, acc[i]);
+}
+#endif
+
+at::Tensor q8_0_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d, bool portable) {
+  TORCH_CHECK(x.dim() == 2, "x must be [T, K], got ", x.sizes());
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.dim() == 3 && packed.size(2) == 512 && packed.is_contiguous(),
+              "packed must be contiguous uint8 [N/16, K/32, 512]");
+  TORCH_CHECK(d.dtype() == at::kHalf && d.is_contiguous(), "d must be contiguous float16 [N/16, K/32, 16]");
+  const int64_t T = x.size(0), K = x.size(1), G = packed.size(0), N = G * ROWS, B = K / QK;
+  TORCH_CHECK(K == packed.size(1) * QK, "x has K = ", K, " but the weights ", packed.size(1) * QK);
+  const Activations a = quantize(x, portable);
+  at::Tensor out = at::empty({T, N}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const at::Half* dw = d.data_ptr<at::Half>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+        const int64_t nt = std::min(TILE, T - t0);
+        const uint8_t* wg = w + g * B * 512;
+        const at::Half* dg = dw + g * B * ROWS;
+#if FLASHSPEC_VNNI
+        if (!portable) {
+          switch (nt) {
+            case 1: q8_group_vnni<1>(wg, dg, a, K, t0, o, N, g); break;
+            case 2: q8_group_vnni<2>(wg, dg, a, K, t0, o, N, g); break;
+            case 3: q8_group_vnni<3>(wg, dg, a, K, t0, o, N, g); break;
+            default: q8_group_vnni<4>(wg, dg, a, K, t0, o, N, g); break;
+          }
+          continue;
+        }
+#endif
+        q8_group_portable(wg, dg, a, K, t0, nt, o, N, g);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d) {
+  return q8_0_linear_impl(x, packed, d, false);
+}
+
+at::Tensor q8_0_linear_portable(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d) {
+  return q8_0_linear_impl(x, packed, d, true);
+}
 
 at::Tensor q4_1_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm, bool portable) {
   TORCH_CHECK(x.dim() == 2, "x must be [T, K], got ", x.sizes());
@@ -243,6 +345,8 @@ std::vector<at::Tensor> gguf_layers(at::Tensor x, const at::Tensor& cos, const a
 TORCH_LIBRARY(flashspec, m) {
   m.def("q4_1_linear(Tensor x, Tensor packed, Tensor dm) -> Tensor");
   m.def("q4_1_linear_portable(Tensor x, Tensor packed, Tensor dm) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor packed, Tensor d) -> Tensor");
+  m.def("q8_0_linear_portable(Tensor x, Tensor packed, Tensor d) -> Tensor");
   m.def("vnni() -> bool", &vnni);  // whether the AVX512-VNNI kernel was compiled in
   m.def("gguf_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor pos, Tensor mask, int S, int[] shape, float eps, "
         "float scaling, Tensor[] weights, Tensor(b!)[] kv_cache, int[] aux_layers) -> Tensor[]");
@@ -252,4 +356,6 @@ TORCH_LIBRARY_IMPL(flashspec, CPU, m) {
   m.impl("q4_1_linear", q4_1_linear);
   m.impl("q4_1_linear_portable", q4_1_linear_portable);
   m.impl("gguf_layers", gguf_layers);
+  m.impl("q8_0_linear", q8_0_linear);
+  m.impl("q8_0_linear_portable", q8_0_linear_portable);
 }

