@@ -226,7 +226,9 @@ class StaticCausalLM:
             self.layers = [_Layer(layer, self.fuse) for layer in model.model.layers]
         with torch.no_grad():
             self.slots = torch.arange(self.capacity, device=self.device)  # positions 0..capacity-1, int64
-            self.cos, self.sin = self._rope_tables(model.model.rotary_emb)  # [capacity, D] in the model dtype
+            # [capacity, D] in the activations' dtype; float32 for the native loop, which rotates in float32
+            self.cos, self.sin = self._rope_tables(model.model.rotary_emb,
+                                                   torch.float32 if self.loop == "native" else self.dtype)
             self.neg_inf = torch.tensor(float("-inf"), dtype=self.dtype, device=self.device)
             self.zero = torch.tensor(0.0, dtype=self.dtype, device=self.device)
 
@@ -282,7 +284,7 @@ class StaticCausalLM:
                 raise ValueError(f"context buckets must be positive, got {list(ctx_buckets)}")
         return tuple(sorted({s for s in sizes if s < self.capacity} | {self.capacity}))
 
-    def _rope_tables(self, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_tables(self, rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [capacity, D] as HF computes them: float32 p * inv_freq, duplicated, scaled, cast.
 
         sin carries the sign of rotate_half: rotate_half(x) * sin == roll(x, D/2) * sin_signed, exactly.
@@ -291,8 +293,8 @@ class StaticCausalLM:
         scale = float(getattr(rotary, "attention_scaling", 1.0))
         freqs = self.slots.float()[:, None] * inv_freq[None, :]  # [capacity, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * scale).to(self.dtype)
-        sin = (emb.sin() * scale).to(self.dtype)
+        cos = (emb.cos() * scale).to(dtype)
+        sin = (emb.sin() * scale).to(dtype)
         half = sin.shape[-1] // 2
         sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         return cos.contiguous(), sin_signed.contiguous()

@@ -52,7 +52,8 @@ def _compile(out: Path) -> None:
     cmd[-1] = str(tmp)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-1500:]}")
+        errors = [l for l in done.stderr.splitlines() if "error" in l] or done.stderr.strip().splitlines()[-5:]
+        raise RuntimeError(f"{cxx} failed: " + "\n".join(errors)[-1500:])
     tmp.replace(out)  # atomic: a concurrent start sees the whole library or none
 
 
