@@ -33,7 +33,7 @@ namespace {
 
 constexpr int64_t QK = 32;    // weights per block
 constexpr int64_t ROWS = 16;  // output rows per packed group
-constexpr int64_t TILE = 4;   // tokens whose accumulators stay in registers
+constexpr int64_t TILE = 8;   // tokens whose accumulators stay in registers
 
 // ------------------------------------------------------------------------------------------------------------
 // Activations: rows quantised per block of 32
@@ -220,19 +220,21 @@ void q4_1_group_vnni(const uint8_t* w, const at::Half* dm, const Activations& a,
     }
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 2 * ROWS)));
     const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 2 * ROWS + ROWS)));
-    __m512i s0[nt], s1[nt];  // two independent chains per token (an exact integer sum in any order)
-    for (int64_t i = 0; i < nt; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; j += 2) {
+    constexpr int chains = nt < 6 ? 2 : 1;  // dependent dot products per token; enough tokens hide the latency
+    __m512i s[nt][chains];
+    for (int64_t i = 0; i < nt; ++i)
+      for (int c = 0; c < chains; ++c) s[i][c] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
       for (int64_t i = 0; i < nt; ++i) {
         const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + (t0 + i) * K + b * QK);
-        s0[i] = _mm512_dpbusd_epi32(s0[i], q[j], _mm512_set1_epi32(xq[j]));
-        s1[i] = _mm512_dpbusd_epi32(s1[i], q[j + 1], _mm512_set1_epi32(xq[j + 1]));
+        s[i][j % chains] = _mm512_dpbusd_epi32(s[i][j % chains], q[j], _mm512_set1_epi32(xq[j]));
       }
     }
     for (int64_t i = 0; i < nt; ++i) {
       const int64_t t = t0 + i;
+      const __m512i isum = chains == 2 ? _mm512_add_epi32(s[i][0], s[i][chains - 1]) : s[i][0];
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[t * B + b]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0[i], s1[i])), scale, acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
       acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[t * B + b]), acc[i]);
     }
   }
@@ -248,20 +250,22 @@ void q8_0_group_vnni(const uint8_t* w, const at::Half* dw, const Activations& a,
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* wb = w + b * 512;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dw + b * ROWS)));
-    __m512i s0[nt], s1[nt];
-    for (int64_t i = 0; i < nt; ++i) s0[i] = s1[i] = _mm512_setzero_si512();
-    for (int j = 0; j < 8; j += 2) {
-      const __m512i q0 = _mm512_loadu_si512(wb + j * 64), q1 = _mm512_loadu_si512(wb + (j + 1) * 64);
+    constexpr int chains = nt < 6 ? 2 : 1;
+    __m512i s[nt][chains];
+    for (int64_t i = 0; i < nt; ++i)
+      for (int c = 0; c < chains; ++c) s[i][c] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i q = _mm512_loadu_si512(wb + j * 64);
       for (int64_t i = 0; i < nt; ++i) {
         const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + (t0 + i) * K + b * QK);
-        s0[i] = _mm512_dpbusd_epi32(s0[i], q0, _mm512_set1_epi32(xq[j]));
-        s1[i] = _mm512_dpbusd_epi32(s1[i], q1, _mm512_set1_epi32(xq[j + 1]));
+        s[i][j % chains] = _mm512_dpbusd_epi32(s[i][j % chains], q, _mm512_set1_epi32(xq[j]));
       }
     }
     for (int64_t i = 0; i < nt; ++i) {
       const int64_t t = t0 + i;
-      const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0[i], s1[i]), _mm512_set1_epi32(128 * a.sum[t * B + b]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(a.d[t * B + b])), acc[i]);
+      const __m512i isum = chains == 2 ? _mm512_add_epi32(s[i][0], s[i][chains - 1]) : s[i][0];
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a.sum[t * B + b]))),
+                               _mm512_mul_ps(d, _mm512_set1_ps(a.d[t * B + b])), acc[i]);
     }
   }
   for (int64_t i = 0; i < nt; ++i) store_vnni(out + (t0 + i) * N + g * ROWS, acc[i], accumulate);
@@ -292,14 +296,22 @@ void matmul(Format format, const Activations& a, const at::Tensor& packed, const
               case 1: run(q4_1_group_vnni<1>); break;
               case 2: run(q4_1_group_vnni<2>); break;
               case 3: run(q4_1_group_vnni<3>); break;
-              default: run(q4_1_group_vnni<4>); break;
+              case 4: run(q4_1_group_vnni<4>); break;
+              case 5: run(q4_1_group_vnni<5>); break;
+              case 6: run(q4_1_group_vnni<6>); break;
+              case 7: run(q4_1_group_vnni<7>); break;
+              default: run(q4_1_group_vnni<8>); break;
             }
           } else {
             switch (nt) {
               case 1: run(q8_0_group_vnni<1>); break;
               case 2: run(q8_0_group_vnni<2>); break;
               case 3: run(q8_0_group_vnni<3>); break;
-              default: run(q8_0_group_vnni<4>); break;
+              case 4: run(q8_0_group_vnni<4>); break;
+              case 5: run(q8_0_group_vnni<5>); break;
+              case 6: run(q8_0_group_vnni<6>); break;
+              case 7: run(q8_0_group_vnni<7>); break;
+              default: run(q8_0_group_vnni<8>); break;
             }
           }
           continue;
