@@ -3,7 +3,8 @@ a 1-token step and an 8-token verify by kind of op (products, LM head, attention
 
     python -m benchmarks.step_profile [--precision gguf|float32] [--context 300] [--reps 30]
 
-Each time is the median over --reps forwards from the same cache length (cropped back before each), random ids.
+Each time is the median over --reps forwards from the same cache length (cropped back before each), random ids,
+the token counts taking turns call by call.
 The profile sums each op's own time over --reps forwards (torch.profiler); "outside ops" is the wall time no op
 accounts for (Python, dispatch). Writes JSON under benchmarks/results/ and prints tables. Numbers, not assertions.
 """
@@ -38,16 +39,18 @@ def kind(op: str) -> str:
     return next((k for frag, k in KINDS.items() if frag in op), "other")
 
 
-def time_forward(lm, context: int, T: int, reps: int) -> float:
-    """Median ms of one forward of T random tokens after `context` tokens."""
-    ids = torch.randint(0, lm.vocab_size, (1, T))
-    times = []
-    for _ in range(reps + 2):  # two warm-up calls
-        lm.crop(context)
-        t0 = time.perf_counter()
-        lm.forward(ids)
-        times.append(1e3 * (time.perf_counter() - t0))
-    return median(times[2:])
+def time_forwards(lm, context: int, reps: int) -> dict[int, float]:
+    """{T: median ms of one forward of T random tokens after `context` tokens}, the token counts interleaved call by
+    call, so that a slow spell of a shared machine lands on all of them alike."""
+    ids = {T: torch.randint(0, lm.vocab_size, (1, T)) for T in TOKENS}
+    times = {T: [] for T in TOKENS}
+    for _ in range(reps + 2):  # two warm-up rounds
+        for T in TOKENS:
+            lm.crop(context)
+            t0 = time.perf_counter()
+            lm.forward(ids[T])
+            times[T].append(1e3 * (time.perf_counter() - t0))
+    return {T: median(ts[2:]) for T, ts in times.items()}
 
 
 def profile_forward(lm, context: int, T: int, reps: int) -> dict:
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
     lm = StaticCausalLM(model, max_len=1024, gguf=gguf)
     torch.manual_seed(0)
     lm.forward(torch.randint(0, lm.vocab_size, (1, args.context)))
-    times = {T: time_forward(lm, args.context, T, args.reps) for T in TOKENS}
+    times = time_forwards(lm, args.context, args.reps)
     profiles = {T: profile_forward(lm, args.context, T, args.reps) for T in (1, 8)}
     payload = {"command": "python -m benchmarks.step_profile " + " ".join(sys.argv[1:] if argv is None else argv),
                "env": environment(), "path": lm.path, "context": args.context, "reps": args.reps,
