@@ -1,8 +1,9 @@
 """A Llama GGUF file's weights at their own precision, for the CPU: each Q4_1 matrix becomes packed 4-bit weights
 for the native kernel (`Q4_1Weight`, `csrc/q4_1.cpp`, the file's blocks as they are) or for torch's
-`_weight_int4pack_mm_for_cpu` (`Int4Weight`, scales rounded to bfloat16), without re-quantising; Q8_0 and F32 tensors are dequantised, and a
-large Q8_0 matrix (the tied embedding as LM head) can run as int8 weights with one scale per row
-(`Int8Weight`, torch's `_weight_int8pack_mm`): a re-quantisation, 2.5x faster than bfloat16 there.
+`_weight_int4pack_mm_for_cpu` (`Int4Weight`, scales rounded to bfloat16), without re-quantising; Q8_0 and F32
+tensors are dequantised, and a large Q8_0 matrix (the tied embedding as LM head) runs as the native kernel's
+`Q8_0Weight` (the file's blocks) or as int8 weights with one scale per row (`Int8Weight`, torch's
+`_weight_int8pack_mm`: a re-quantisation, 2.5x faster than bfloat16 there).
 
 Q4_1 stores a block of 32 weights as d * q + m (q in 0..15, d and m float16); the kernel computes
 (q - 8) * scale + zero per group of 32 in float32, so scale = d and zero = m + 8d give the same weights. The
