@@ -1,7 +1,9 @@
 """A Llama GGUF file's weights at their own precision, for the CPU: each Q4_1 matrix becomes packed 4-bit weights
-for torch's `_weight_int4pack_mm_for_cpu`, without re-quantising; Q8_0 and F32 tensors are dequantised, and a
-large Q8_0 matrix (the tied embedding as LM head) can run as int8 weights with one scale per row
-(`Int8Weight`, torch's `_weight_int8pack_mm`): a re-quantisation, 2.5x faster than bfloat16 there.
+for the native kernel (`Q4_1Weight`, `csrc/q4_1.cpp`, the file's blocks as they are) or for torch's
+`_weight_int4pack_mm_for_cpu` (`Int4Weight`, scales rounded to bfloat16), without re-quantising; Q8_0 and F32
+tensors are dequantised, and a large Q8_0 matrix (the tied embedding as LM head) runs as the native kernel's
+`Q8_0Weight` (the file's blocks) or as int8 weights with one scale per row (`Int8Weight`, torch's
+`_weight_int8pack_mm`: a re-quantisation, 2.5x faster than bfloat16 there).
 
 Q4_1 stores a block of 32 weights as d * q + m (q in 0..15, d and m float16); the kernel computes
 (q - 8) * scale + zero per group of 32 in float32, so scale = d and zero = m + 8d give the same weights. The
@@ -16,9 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 GROUP = 32  # weights per Q4_1 / Q8_0 block, and per group of the 4-bit kernel
 Q4_1_BYTES = 20  # per block: d (float16), m (float16), 16 bytes of nibbles
+Q8_0_BYTES = 34  # per block: d (float16), 32 int8
 INNER_K_TILES = 2  # the CPU packing ignores it; the op requires one of 2, 4, 8
 
 
@@ -71,7 +75,53 @@ def int8_rows(weight: torch.Tensor, dtype=torch.bfloat16) -> Int8Weight:
     return Int8Weight(values.contiguous(), scales)
 
 
-PACKED = (Int4Weight, Int8Weight)  # weights that multiply through their own kernel
+@dataclass(frozen=True)
+class Q4_1Weight:
+    """A [N, K] Q4_1 matrix packed for the native kernel (`csrc/q4_1.cpp`, `torch.ops.flashspec.q4_1_linear`): the
+    file's own blocks (weight = d * q + m, d and m float16, no rounding), 16 output rows at a time; activations
+    are quantised per block of 32 to int8 (llama.cpp's Q8_1) and each block's product is an exact integer sum."""
+    packed: torch.Tensor  # uint8 [N / 16, K / 32, 256]
+    dm: torch.Tensor  # float16 [N / 16, K / 32, 2, 16]: d and m of each block of 16 rows
+    shape: tuple[int, int]  # (N, K)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] (float32 or bfloat16) @ W.T -> float32 [..., N]; each output row depends on its own input row."""
+        out = torch.ops.flashspec.q4_1_linear(x.reshape(-1, self.shape[1]), self.packed, self.dm)
+        return out.view(*x.shape[:-1], self.shape[0])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [N, K] = d * q + m, unpacked."""
+        G, B, _ = self.packed.shape
+        nibbles = self.packed.view(G, B, 4, 16, 4)
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)  # [G, B, quad, row, 4]
+        q = q.permute(0, 3, 1, 2, 4).reshape(self.shape).float()
+        dm = self.dm.float().permute(1, 2, 0, 3).reshape(B, 2, -1)  # [B, 2, N]
+        d, m = (dm[:, i].t().repeat_interleave(GROUP, dim=1) for i in (0, 1))  # [N, K] each
+        return q * d + m
+
+
+@dataclass(frozen=True)
+class Q8_0Weight:
+    """A [N, K] Q8_0 matrix (weight = d * q, q int8, d float16 per block of 32) packed for the native kernel
+    (`torch.ops.flashspec.q8_0_linear`): the file's own blocks, times activations quantised per block of 32."""
+    packed: torch.Tensor  # uint8 [N / 16, K / 32, 512]: q + 128
+    d: torch.Tensor  # float16 [N / 16, K / 32, 16]
+    shape: tuple[int, int]  # (N, K)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] (float32 or bfloat16) @ W.T -> float32 [..., N]; each output row depends on its own input row."""
+        out = torch.ops.flashspec.q8_0_linear(x.reshape(-1, self.shape[1]), self.packed, self.d)
+        return out[:, :self.shape[0]].view(*x.shape[:-1], self.shape[0])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights [N, K] = d * q, unpacked."""
+        G, B, _ = self.packed.shape
+        q = (self.packed.view(G, B, 8, 16, 4).to(torch.int32) - 128).permute(0, 3, 1, 2, 4).reshape(G * 16, -1)
+        d = self.d.float().permute(0, 2, 1).reshape(-1, B).repeat_interleave(GROUP, dim=1)  # [N padded, K]
+        return (q.float() * d)[:self.shape[0]]
+
+
+PACKED = (Int4Weight, Int8Weight, Q4_1Weight, Q8_0Weight)  # weights that multiply through their own kernel
 
 
 def int4_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype=torch.bfloat16) -> Int4Weight:
@@ -87,6 +137,46 @@ def int4_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype=torch.b
     scales_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(dtype)  # [K / 32, N, 2]
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INNER_K_TILES)
     return Int4Weight(packed, scales_zeros, (N, K))
+
+
+def q4_1_weight(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Q4_1Weight:
+    """q [N, K] in 0..15, d and m [N, K / 32] (float16 values, any float dtype) -> Q4_1Weight. Rows 16g..16g+15,
+    block b: 4 chunks of 64 bytes, chunk c holding row r's weights 4c..4c+3 (low nibbles) and 4c+16..4c+19 (high
+    nibbles) at bytes 4r..4r+3: one 512-bit lane per row, as the kernel's int8 dot products take them."""
+    N, K = q.shape
+    if K % GROUP or N % 16 or d.shape != (N, K // GROUP) or m.shape != d.shape:
+        raise ValueError(f"q {tuple(q.shape)} needs N a multiple of 16, K of {GROUP}, and d, m of shape "
+                         f"{(N, K // GROUP)}; got {tuple(d.shape)} and {tuple(m.shape)}")
+    G, B = N // 16, K // GROUP
+    quads = q.to(torch.uint8).view(G, 16, B, 8, 4).permute(0, 2, 3, 1, 4)  # [G, B, quad, row, 4]
+    packed = (quads[:, :, :4] | (quads[:, :, 4:] << 4)).reshape(G, B, 256).contiguous()
+    dm = torch.stack([d.half().view(G, 16, B), m.half().view(G, 16, B)], dim=2).permute(0, 3, 2, 1).contiguous()
+    return Q4_1Weight(packed, dm, (N, K))
+
+
+def q8_0_weight(q: torch.Tensor, d: torch.Tensor) -> Q8_0Weight:
+    """q [N, K] int8, d [N, K / 32] (float16 values) -> Q8_0Weight: rows 16g..16g+15 (N padded with zero rows to a
+    multiple of 16), block b: 8 chunks of 64 bytes, chunk j holding row r's q + 128 for weights 4j..4j+3 at bytes
+    4r..4r+3."""
+    N, K = q.shape
+    if K % GROUP or d.shape != (N, K // GROUP):
+        raise ValueError(f"q {tuple(q.shape)} needs K a multiple of {GROUP} and d of shape {(N, K // GROUP)}; "
+                         f"got {tuple(d.shape)}")
+    pad = -N % 16  # zero rows up to a multiple of 16 (a vocabulary of any size); their outputs are dropped
+    q, d = F.pad(q, (0, 0, 0, pad)), F.pad(d, (0, 0, 0, pad))
+    G, B = (N + pad) // 16, K // GROUP
+    unsigned = (q.to(torch.int32) + 128).to(torch.uint8)
+    packed = unsigned.view(G, 16, B, 8, 4).permute(0, 2, 3, 1, 4).reshape(G, B, 512).contiguous()
+    return Q8_0Weight(packed, d.half().view(G, 16, B).permute(0, 2, 1).contiguous(), (N, K))
+
+
+def q8_0_blocks(raw: np.ndarray, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's bytes [N, K / 32 * 34] -> q int8 [N, K], d float32 [N, K / 32]."""
+    N = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(N, K // GROUP, Q8_0_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(N, K)
+    return torch.from_numpy(q), torch.from_numpy(d)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -155,6 +245,21 @@ class GGUFFile:
         (q/k/v, gate/up: one product instead of several)."""
         parts = [self.q4_1(n) for n in names]
         return int4_weight(*(torch.cat([p[i] for p in parts]) for i in range(3)), dtype=dtype)
+
+    def q4_1_weight(self, names: list[str]) -> Q4_1Weight:
+        """One Q4_1Weight (the native kernel's) over Q4_1 matrices that share their input, outputs side by side."""
+        parts = [self.q4_1(n) for n in names]
+        return q4_1_weight(*(torch.cat([p[i] for p in parts]) for i in range(3)))
+
+    def q8_0_weight(self, name: str) -> Q8_0Weight:
+        """A Q8_0 matrix (the tied embedding as LM head) as the native kernel's Q8_0Weight, in Hugging Face's order."""
+        t = self._tensor(name)
+        if t.tensor_type.name != "Q8_0":
+            raise ValueError(f"tensor {name!r} is {t.tensor_type.name}, not Q8_0")
+        N, K = int(t.shape[1]), int(t.shape[0])
+        q, d = q8_0_blocks(np.asarray(t.data), K)
+        order = hf_row_order(name, N, self.n_heads, self.n_kv_heads)
+        return q8_0_weight(q, d) if order is None else q8_0_weight(q[order], d[order])
 
     def dequantized(self, name: str) -> torch.Tensor:
         """Any tensor as float32 [rows, ...] in Hugging Face's order, through `gguf`'s own dequantisation."""

@@ -412,17 +412,21 @@ def test_columns_linear_equals_rows(tokens, bias):
 # ----------------------------------------------------------------------------------------------------
 # The GGUF file's own 4-bit weights (CPU)
 
-GGUF_LOGITS_ATOL = 1.0  # embedded model, teacher-forced chat: max |gguf - float32| logit (measured 0.56 on random ids)
+# embedded model, teacher-forced chat, max |gguf - float32| logit by layer loop: bfloat16 activations (script,
+# python) measured 0.56 on random ids and 0.77-0.82 on chat; int8 activation blocks (native) 1.29-1.47 on chat, where
+# llama.cpp on the same file measured 1.05-1.38 against the same float32 logits
+GGUF_LOGITS_ATOL = {"script": 1.0, "native": 2.0}
 
 
-def test_gguf_verify_equals_one_token_steps_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("loop", ["native", "script", "python"])
+def test_gguf_verify_equals_one_token_steps_bit_for_bit(tmp_path, loop):
     """Every product computes a token's row on its own, so a verify of 7 tokens gives exactly the logits and
     hidden states of 7 one-token steps: what keeps greedy speculative decoding equal to plain decoding."""
     from tests.flashspec_core.test_gguf_weights import write_gguf
 
     model = build(seed=8, std=0.3)
-    lm = StaticCausalLM(model, max_len=64, gguf=write_gguf(model, tmp_path / "tiny.gguf"))
-    assert lm.path == "static (GGUF Q4_1 weights, bfloat16 activations)"
+    lm = StaticCausalLM(model, max_len=64, gguf=write_gguf(model, tmp_path / "tiny.gguf"), loop=loop)
+    assert lm.path.startswith("static (GGUF Q4_1 weights") and lm.loop == loop
     lm.aux_layers = (0, 1)
     g = torch.Generator().manual_seed(2)
     prompt, new = torch.randint(0, 97, (1, 9), generator=g), torch.randint(0, 97, (1, 7), generator=g)
@@ -432,11 +436,37 @@ def test_gguf_verify_equals_one_token_steps_bit_for_bit(tmp_path):
     verify = lm.forward(new)
     assert torch.equal(verify, torch.cat([s[0] for s in steps], dim=1))
     assert torch.equal(lm.aux, torch.cat([s[1] for s in steps], dim=1))
-    # the file's weights are the HF model's (write_gguf set them): only bfloat16 rounding separates the two
-    torch.testing.assert_close(verify, hf_logits(model, prompt[0].tolist() + new[0].tolist(), 7), atol=0.5, rtol=0.05)
+    # the file's weights are the HF model's (write_gguf set them): only the activations' rounding separates the two
+    # (bfloat16, or int8 blocks on the native loop: measured 0.78 at most there)
+    atol = 1.0 if loop == "native" else 0.5
+    torch.testing.assert_close(verify, hf_logits(model, prompt[0].tolist() + new[0].tolist(), 7), atol=atol, rtol=0.05)
 
 
-def test_gguf_logits_within_tolerance_of_float32_on_the_embedded_model(request):
+def test_gguf_scripted_layers_equal_the_python_loop_bit_for_bit(tmp_path):
+    """The TorchScript layer loop runs the Python loop's ops: the same logits and aux hidden states, chain and tree."""
+    from flashspec_core.tree import DraftTree
+    from tests.flashspec_core.test_gguf_weights import write_gguf
+
+    model = build(seed=5, std=0.3)
+    gguf = write_gguf(model, tmp_path / "tiny.gguf")
+    scripted, python = (StaticCausalLM(model, max_len=64, gguf=gguf, loop=loop) for loop in ("script", "python"))
+    assert (scripted.loop, python.loop) == ("script", "python")
+    g = torch.Generator().manual_seed(3)
+    prompt, new = torch.randint(0, 97, (1, 11), generator=g), torch.randint(0, 97, (1, 5), generator=g)
+    tree = DraftTree.full((2, 2))
+    tree_ids = torch.randint(0, 97, (1, tree.N + 1), generator=g)
+    outs = []
+    for lm in (scripted, python):
+        lm.aux_layers = (1, 0)
+        first = lm.forward(prompt), lm.aux
+        second = lm.forward(new[:, :1]), lm.forward(new[:, 1:]), lm.aux
+        outs.append((*first, *second, lm.forward_tree(tree_ids, tree), lm.aux))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("loop", ["native", "script"])
+def test_gguf_logits_within_tolerance_of_float32_on_the_embedded_model(request, loop):
     from flashspec_core.models import ModelUnavailableError, embedded_gguf, embedded_package_present
 
     if not embedded_package_present():
@@ -450,10 +480,10 @@ def test_gguf_logits_within_tolerance_of_float32_on_the_embedded_model(request):
     f32 = StaticCausalLM(model, max_len=256)
     tokens = static_greedy(f32, prompt, 32)
     f32.reset()
-    gguf = StaticCausalLM(model, max_len=256, gguf=embedded_gguf(model.config))
+    gguf = StaticCausalLM(model, max_len=256, gguf=embedded_gguf(model.config), loop=loop)
     a, b = (lm.forward(torch.tensor([prompt + tokens]))[0] for lm in (f32, gguf))
     diff = (a - b).abs()
-    assert diff.max() <= GGUF_LOGITS_ATOL, f"max |gguf - float32| logit {diff.max().item():.3f}"
+    assert diff.max() <= GGUF_LOGITS_ATOL[loop], f"max |gguf - float32| logit {diff.max().item():.3f}"
     agree = (a[len(prompt) - 1:].argmax(-1) == b[len(prompt) - 1:].argmax(-1)).float().mean().item()
     assert agree >= 0.9, f"the two paths' greedy tokens agree at {agree:.0%} of the positions"
 

@@ -18,8 +18,9 @@ def permute_for_gguf(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(model, path) -> GGUFFile:
-    """Write a tiny Llama's linear layers to a GGUF file as Q4_1, as llama.cpp names and orders them, and set the
-    model's weights to the file's (dequantised) values, so the Hugging Face model and the file agree."""
+    """Write a tiny Llama's linear layers to a GGUF file as Q4_1 and its embedding (and untied LM head) as Q8_0, as
+    llama.cpp names and orders them, and set the model's weights to the file's (dequantised) values, so the Hugging
+    Face model and the file agree."""
     import gguf
     from gguf.quants import dequantize, quantize
 
@@ -41,6 +42,14 @@ def write_gguf(model, path) -> GGUFFile:
                 if heads:  # undo the permute: the HF weight is the file's, in HF's order
                     back = back.reshape(heads, back.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
                 linear.weight.copy_(torch.from_numpy(back))
+        heads = [("token_embd.weight", model.model.embed_tokens)]  # the LM head as the native loop reads it
+        if not cfg.tie_word_embeddings:
+            heads.append(("output.weight", model.lm_head))
+        for name, module in heads:
+            w = module.weight.float().numpy()
+            blocks = quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            module.weight.copy_(torch.from_numpy(dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).reshape(w.shape)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,452 @@
+// The GGUF path's CPU kernels: a GGUF file's Q4_1 and Q8_0 blocks multiplied at their own precision by activations
+// quantised per block of 32 to int8 (llama.cpp's Q8_1 scheme), and the decoder layer loop around them, with each
+// token's row computed on its own (a verify of K + 1 tokens gives the bits of K + 1 one-token steps).
+//
+// A block's product is an exact integer sum; blocks are accumulated in float32 with fused multiply-adds in a fixed
+// order: for Q4_1 (weight = d * q + m)  acc = fma(isum, dw * dx, acc); acc = fma(mw, dx * sum xq, acc);
+//         for Q8_0 (weight = d * q)      acc = fma(isum, dw * dx, acc).
+// The AVX512-VNNI kernels and the portable loops run the same float operations in the same order: the same bits.
+//
+// Packing, 16 output rows at a time (one 512-bit lane per row), rows 16g..16g+15, block b:
+//   Q4_1: 256 bytes = 4 chunks of 64; chunk c holds, for row r at bytes 4r..4r+3, the weights 4c..4c+3 (low
+//         nibbles) and 4c+16..4c+19 (high nibbles); dm [N/16, K/32, 2, 16] float16: d and m of those rows.
+//   Q8_0: 512 bytes = 8 chunks of 64; chunk j holds q + 128 of row r's weights 4j..4j+3 at bytes 4r..4r+3;
+//         d [N/16, K/32, 16] float16.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define FLASHSPEC_VNNI 1
+#else
+#define FLASHSPEC_VNNI 0
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;    // weights per block
+constexpr int64_t ROWS = 16;  // output rows per packed group
+constexpr int64_t TILE = 8;   // tokens whose accumulators stay in registers
+
+// ------------------------------------------------------------------------------------------------------------
+// Activations: rows quantised per block of 32
+
+struct Activations {
+  int64_t T = 0, K = 0;       // rows, features
+  std::vector<int8_t> q;      // [T, K]
+  std::vector<float> d;       // [T, K / 32]: the block's scale, max |x| / 127
+  std::vector<float> s;       // [T, K / 32]: d * sum of the block's q (Q4_1's m term)
+  std::vector<int32_t> sum;   // [T, K / 32]: sum of the block's q (Q8_0's offset)
+
+  Activations(int64_t T_, int64_t K_) : T(T_), K(K_), q(T_ * K_), d(T_ * K_ / QK), s(T_ * K_ / QK), sum(T_ * K_ / QK) {}
+
+  // Block i (row i / (K / 32)) from 32 floats: q = round-half-even(v / d), q = 0 where d = 0.
+  void set_block(int64_t i, const float* v, bool portable) {
+    float scale;
+    int32_t total;
+#if FLASHSPEC_VNNI
+    if (!portable) {
+      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+      scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.f;
+      const __m512 id = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q.data() + i * QK + 16), _mm512_cvtepi32_epi8(qb));
+      total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    } else
+#endif
+    {
+      float amax = 0.f;
+      for (int64_t k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(v[k]));
+      scale = amax / 127.f;
+      const float id = scale != 0.f ? 1.f / scale : 0.f;
+      total = 0;
+      for (int64_t k = 0; k < QK; ++k) {
+        q[i * QK + k] = static_cast<int8_t>(std::nearbyint(v[k] * id));
+        total += q[i * QK + k];
+      }
+    }
+    d[i] = scale;
+    s[i] = scale * static_cast<float>(total);
+    sum[i] = total;
+  }
+};
+
+Activations quantize(const at::Tensor& x, bool portable) {  // x [T, K], any float dtype
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  Activations a(xf.size(0), xf.size(1));
+  const float* src = xf.data_ptr<float>();
+  for (int64_t i = 0; i < a.T * a.K / QK; ++i) a.set_block(i, src + i * QK, portable);
+  return a;
+}
+
+// RMSNorm of the float32 rows x [T, K] scaled by w [K] (HF's x * rsqrt(mean(x^2) + eps) * w), then quantised.
+Activations norm_quantize(const at::Tensor& x, const at::Tensor& w, double eps) {
+  Activations a(x.size(0), x.size(1));
+  const float* src = x.data_ptr<float>();
+  const float* weight = w.data_ptr<float>();
+  float block[QK];
+  for (int64_t t = 0; t < a.T; ++t) {
+    const float* row = src + t * a.K;
+    float ss = 0.f;
+    for (int64_t k = 0; k < a.K; ++k) ss += row[k] * row[k];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(a.K) + static_cast<float>(eps));
+    for (int64_t b = 0; b < a.K / QK; ++b) {
+      for (int64_t k = 0; k < QK; ++k) block[k] = row[b * QK + k] * inv * weight[b * QK + k];
+      a.set_block(t * (a.K / QK) + b, block, false);
+    }
+  }
+  return a;
+}
+
+// Attention's output o [B, KV, R*T, D] (bfloat16, row r*T + t: query head kv*R + r of token t) as rows
+// [B*T, H*D] in head order, quantised.
+Activations heads_quantize(const at::Tensor& o, int64_t T, int64_t R) {
+  const int64_t B = o.size(0), KV = o.size(1), D = o.size(3), H = KV * R;
+  Activations a(B * T, H * D);
+  const at::BFloat16* src = o.data_ptr<at::BFloat16>();
+  std::vector<float> row(H * D);
+  for (int64_t bt = 0; bt < B * T; ++bt) {
+    const int64_t bb = bt / T, t = bt % T;
+    for (int64_t h = 0; h < H; ++h) {
+      const at::BFloat16* head = src + ((bb * KV + h / R) * R * T + (h % R) * T + t) * D;
+      for (int64_t d = 0; d < D; ++d) row[h * D + d] = static_cast<float>(head[d]);
+    }
+    for (int64_t b = 0; b < H * D / QK; ++b) a.set_block(bt * (H * D / QK) + b, row.data() + b * QK, false);
+  }
+  return a;
+}
+
+// SwiGLU's silu(gate) * up of gate_up [T, 2I] (float32), quantised as rows [T, I]. silu runs in place through
+// aten (vectorised exp); the product and the quantisation here.
+Activations silu_mul_quantize(at::Tensor& gate_up) {
+  const int64_t I = gate_up.size(1) / 2;
+  at::Tensor gate = gate_up.slice(1, 0, I);
+  at::silu_(gate);
+  Activations a(gate_up.size(0), I);
+  const float* src = gate_up.data_ptr<float>();
+  float block[QK];
+  for (int64_t t = 0; t < a.T; ++t) {
+    for (int64_t b = 0; b < I / QK; ++b) {
+      const float* g = src + t * 2 * I + b * QK;
+      for (int64_t k = 0; k < QK; ++k) block[k] = g[k] * g[I + k];
+      a.set_block(t * (I / QK) + b, block, false);
+    }
+  }
+  return a;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Products: out[t, 16g..16g+15] = (or +=) rows 16g..16g+15 of W times row t of the activations
+
+void store(float* out, const float* acc, bool accumulate) {
+  for (int64_t r = 0; r < ROWS; ++r) out[r] = accumulate ? out[r] + acc[r] : acc[r];
+}
+
+void q4_1_group_portable(const uint8_t* w, const at::Half* dm, const Activations& a, int64_t t0, int64_t nt,
+                         float* out, int64_t N, int64_t g, bool accumulate) {
+  const int64_t K = a.K, B = K / QK;
+  float acc[TILE][ROWS] = {};
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* wb = w + b * 256;
+    const at::Half* dmb = dm + b * 2 * ROWS;
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t t = t0 + i;
+      const int8_t* xq = a.q.data() + t * K + b * QK;
+      for (int64_t r = 0; r < ROWS; ++r) {
+        int32_t isum = 0;
+        for (int64_t c = 0; c < 4; ++c) {
+          for (int64_t j = 0; j < 4; ++j) {
+            const uint8_t byte = wb[c * 64 + r * 4 + j];
+            isum += static_cast<int32_t>(byte & 0x0F) * xq[c * 4 + j];
+            isum += static_cast<int32_t>(byte >> 4) * xq[(c + 4) * 4 + j];
+          }
+        }
+        acc[i][r] = std::fma(static_cast<float>(isum), static_cast<float>(dmb[r]) * a.d[t * B + b], acc[i][r]);
+        acc[i][r] = std::fma(static_cast<float>(dmb[ROWS + r]), a.s[t * B + b], acc[i][r]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nt; ++i) store(out + (t0 + i) * N + g * ROWS, acc[i], accumulate);
+}
+
+void q8_0_group_portable(const uint8_t* w, const at::Half* dw, const Activations& a, int64_t t0, int64_t nt,
+                         float* out, int64_t N, int64_t g, bool accumulate) {
+  const int64_t K = a.K, B = K / QK;
+  float acc[TILE][ROWS] = {};
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* wb = w + b * 512;
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t t = t0 + i;
+      const int8_t* xq = a.q.data() + t * K + b * QK;
+      for (int64_t r = 0; r < ROWS; ++r) {
+        int32_t isum = 0;
+        for (int64_t j = 0; j < 8; ++j)
+          for (int64_t k = 0; k < 4; ++k) isum += static_cast<int32_t>(wb[j * 64 + r * 4 + k]) * xq[j * 4 + k];
+        isum -= 128 * a.sum[t * B + b];
+        acc[i][r] = std::fma(static_cast<float>(isum), static_cast<float>(dw[b * ROWS + r]) * a.d[t * B + b], acc[i][r]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nt; ++i) store(out + (t0 + i) * N + g * ROWS, acc[i], accumulate);
+}
+
+#if FLASHSPEC_VNNI
+void store_vnni(float* out, __m512 acc, bool accumulate) {
+  _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc) : acc);
+}
+
+template <int64_t nt>  // tokens t0..t0+nt-1: a constant, so the accumulators live in registers
+void q4_1_group_vnni(const uint8_t* w, const at::Half* dm, const Activations& a, int64_t t0, float* out, int64_t N,
+                     int64_t g, bool accumulate) {
+  const int64_t K = a.K, B = K / QK;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[nt];
+  for (int64_t i = 0; i < nt; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* wb = w + b * 256;
+    __m512i q[8];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wb + c * 64);
+      q[c] = _mm512_and_si512(v, low);
+      q[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 2 * ROWS)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 2 * ROWS + ROWS)));
+    constexpr int chains = nt < 6 ? 2 : 1;  // dependent dot products per token; enough tokens hide the latency
+    __m512i s[nt][chains];
+    for (int64_t i = 0; i < nt; ++i)
+      for (int c = 0; c < chains; ++c) s[i][c] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      for (int64_t i = 0; i < nt; ++i) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + (t0 + i) * K + b * QK);
+        s[i][j % chains] = _mm512_dpbusd_epi32(s[i][j % chains], q[j], _mm512_set1_epi32(xq[j]));
+      }
+    }
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t t = t0 + i;
+      const __m512i isum = chains == 2 ? _mm512_add_epi32(s[i][0], s[i][chains - 1]) : s[i][0];
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[t * B + b]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
+      acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[t * B + b]), acc[i]);
+    }
+  }
+  for (int64_t i = 0; i < nt; ++i) store_vnni(out + (t0 + i) * N + g * ROWS, acc[i], accumulate);
+}
+
+template <int64_t nt>
+void q8_0_group_vnni(const uint8_t* w, const at::Half* dw, const Activations& a, int64_t t0, float* out, int64_t N,
+                     int64_t g, bool accumulate) {
+  const int64_t K = a.K, B = K / QK;
+  __m512 acc[nt];
+  for (int64_t i = 0; i < nt; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* wb = w + b * 512;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dw + b * ROWS)));
+    constexpr int chains = nt < 6 ? 2 : 1;
+    __m512i s[nt][chains];
+    for (int64_t i = 0; i < nt; ++i)
+      for (int c = 0; c < chains; ++c) s[i][c] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i q = _mm512_loadu_si512(wb + j * 64);
+      for (int64_t i = 0; i < nt; ++i) {
+        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + (t0 + i) * K + b * QK);
+        s[i][j % chains] = _mm512_dpbusd_epi32(s[i][j % chains], q, _mm512_set1_epi32(xq[j]));
+      }
+    }
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t t = t0 + i;
+      const __m512i isum = chains == 2 ? _mm512_add_epi32(s[i][0], s[i][chains - 1]) : s[i][0];
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, _mm512_set1_epi32(128 * a.sum[t * B + b]))),
+                               _mm512_mul_ps(d, _mm512_set1_ps(a.d[t * B + b])), acc[i]);
+    }
+  }
+  for (int64_t i = 0; i < nt; ++i) store_vnni(out + (t0 + i) * N + g * ROWS, acc[i], accumulate);
+}
+#endif
+
+enum class Format { Q4_1, Q8_0 };
+
+// out [T, N] (float32, contiguous) = or += W times the activations; W packed as `format` with its scales.
+void matmul(Format format, const Activations& a, const at::Tensor& packed, const at::Tensor& scales, float* out,
+            bool accumulate, bool portable) {
+  const int64_t G = packed.size(0), N = G * ROWS, B = a.K / QK, T = a.T;
+  const int64_t bytes = format == Format::Q4_1 ? 256 : 512, halves = format == Format::Q4_1 ? 2 * ROWS : ROWS;
+  TORCH_CHECK(a.K == packed.size(1) * QK, "the activations have K = ", a.K, " but the weights ", packed.size(1) * QK);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const at::Half* sc = scales.data_ptr<at::Half>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* wg = w + g * B * bytes;
+      const at::Half* sg = sc + g * B * halves;
+      for (int64_t t0 = 0; t0 < T; t0 += TILE) {
+        const int64_t nt = std::min(TILE, T - t0);
+#if FLASHSPEC_VNNI
+        if (!portable) {
+          auto run = [&](auto kernel) { kernel(wg, sg, a, t0, out, N, g, accumulate); };
+          if (format == Format::Q4_1) {
+            switch (nt) {
+              case 1: run(q4_1_group_vnni<1>); break;
+              case 2: run(q4_1_group_vnni<2>); break;
+              case 3: run(q4_1_group_vnni<3>); break;
+              case 4: run(q4_1_group_vnni<4>); break;
+              case 5: run(q4_1_group_vnni<5>); break;
+              case 6: run(q4_1_group_vnni<6>); break;
+              case 7: run(q4_1_group_vnni<7>); break;
+              default: run(q4_1_group_vnni<8>); break;
+            }
+          } else {
+            switch (nt) {
+              case 1: run(q8_0_group_vnni<1>); break;
+              case 2: run(q8_0_group_vnni<2>); break;
+              case 3: run(q8_0_group_vnni<3>); break;
+              case 4: run(q8_0_group_vnni<4>); break;
+              case 5: run(q8_0_group_vnni<5>); break;
+              case 6: run(q8_0_group_vnni<6>); break;
+              case 7: run(q8_0_group_vnni<7>); break;
+              default: run(q8_0_group_vnni<8>); break;
+            }
+          }
+          continue;
+        }
+#endif
+        if (format == Format::Q4_1) q4_1_group_portable(wg, sg, a, t0, nt, out, N, g, accumulate);
+        else q8_0_group_portable(wg, sg, a, t0, nt, out, N, g, accumulate);
+      }
+    }
+  });
+}
+
+at::Tensor linear(Format format, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                  bool portable) {
+  TORCH_CHECK(x.dim() == 2, "x must be [T, K], got ", x.sizes());
+  const int64_t bytes = format == Format::Q4_1 ? 256 : 512;
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.dim() == 3 && packed.size(2) == bytes && packed.is_contiguous(),
+              "packed must be contiguous uint8 [N/16, K/32, ", bytes, "]");
+  TORCH_CHECK(scales.dtype() == at::kHalf && scales.is_contiguous(), "scales must be contiguous float16");
+  TORCH_CHECK(x.size(1) == packed.size(1) * QK, "x has K = ", x.size(1), " but the weights ", packed.size(1) * QK);
+  const Activations a = quantize(x, portable);
+  at::Tensor out = at::empty({a.T, packed.size(0) * ROWS}, x.options().dtype(at::kFloat));
+  matmul(format, a, packed, scales, out.data_ptr<float>(), false, portable);
+  return out;
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
+  return linear(Format::Q4_1, x, packed, dm, false);
+}
+at::Tensor q4_1_linear_portable(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
+  return linear(Format::Q4_1, x, packed, dm, true);
+}
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d) {
+  return linear(Format::Q8_0, x, packed, d, false);
+}
+at::Tensor q8_0_linear_portable(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& d) {
+  return linear(Format::Q8_0, x, packed, d, true);
+}
+
+bool vnni() { return FLASHSPEC_VNNI; }
+
+// ------------------------------------------------------------------------------------------------------------
+// The decoder layers
+
+// Rotary embedding of q and k from the float32 projections qkv [B*T, (H + 2 KV) * D] (cos, sin [T, D] float32, sin
+// carrying rotate_half's sign: x * cos + swap_halves(x) * sin), each rounded once to bfloat16: q into
+// q_out [B, KV, R*T, D] (row r*T + t), k and v into the cache [2, B, KV, capacity, D] at slots pos [T].
+void rope_scatter(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& pos,
+                  at::Tensor& q_out, at::Tensor& cache, int64_t T, int64_t H, int64_t KV) {
+  const int64_t B = q_out.size(0), D = q_out.size(3), R = H / KV, half = D / 2, width = (H + 2 * KV) * D;
+  const int64_t cap = cache.size(3);
+  const float* src = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  const int64_t* slot = pos.data_ptr<int64_t>();
+  at::BFloat16* q = q_out.data_ptr<at::BFloat16>();
+  at::BFloat16* kv = cache.data_ptr<at::BFloat16>();
+  for (int64_t bb = 0; bb < B; ++bb) {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = src + (bb * T + t) * width;
+      const float* ct = c + t * D;
+      const float* st = s + t * D;
+      for (int64_t h = 0; h < H + 2 * KV; ++h) {
+        const float* x = row + h * D;
+        at::BFloat16* dst;
+        if (h < H) dst = q + ((bb * KV + h / R) * R * T + (h % R) * T + t) * D;
+        else if (h < H + KV) dst = kv + ((0 * B + bb) * KV + (h - H)) * cap * D + slot[t] * D;
+        else dst = kv + ((1 * B + bb) * KV + (h - H - KV)) * cap * D + slot[t] * D;
+        if (h >= H + KV) {
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<at::BFloat16>(x[d]);
+          continue;
+        }
+        for (int64_t d = 0; d < half; ++d) dst[d] = static_cast<at::BFloat16>(x[d] * ct[d] + x[d + half] * st[d]);
+        for (int64_t d = half; d < D; ++d) dst[d] = static_cast<at::BFloat16>(x[d] * ct[d] + x[d - half] * st[d]);
+      }
+    }
+  }
+}
+
+// StaticCausalLM's layers on the GGUF path: x [B*T, hidden] float32, updated in place, with cos, sin [T, 1, D] at
+// the tokens' rotary positions; K/V written to cache slots pos [T] of kv_cache[i] [2, B, KV, capacity, D]
+// (bfloat16); attention (SDPA) over slots [0, S) through the additive mask [R*T, S]. weights: 10 per layer (input
+// norm, q/k/v packed and dm, o packed and dm, post norm, gate/up packed and dm, down packed and dm; norms float32).
+// Returns the residual streams entering the aux layers, in their order.
+std::vector<at::Tensor> gguf_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& pos,
+                                    const at::Tensor& mask, int64_t S, at::IntArrayRef shape, double eps,
+                                    double scaling, at::TensorList weights, at::TensorList kv_cache,
+                                    at::IntArrayRef aux_layers) {
+  const int64_t B = shape[0], T = shape[1], H = shape[2], KV = shape[3], D = shape[4], R = H / KV;
+  const int64_t layers = static_cast<int64_t>(kv_cache.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers, "10 weights per layer expected");
+  TORCH_CHECK(x.is_contiguous() && x.dtype() == at::kFloat, "x must be contiguous float32");
+  TORCH_CHECK(D % 2 == 0 && (H * D) % QK == 0, "head_dim must be even and hidden a multiple of 32");
+  const at::Tensor cos_f = cos.reshape({T, D}).to(at::kFloat).contiguous();
+  const at::Tensor sin_f = sin.reshape({T, D}).to(at::kFloat).contiguous();
+  const at::Tensor slots = pos.to(at::kLong).contiguous();
+  std::vector<at::Tensor> saved(aux_layers.size());
+  at::Tensor q = at::empty({B, KV, R * T, D}, x.options().dtype(at::kBFloat16));
+  at::Tensor qkv = at::empty({B * T, (H + 2 * KV) * D}, x.options());
+  at::Tensor gate_up;
+  float* residual = x.data_ptr<float>();
+  for (int64_t i = 0; i < layers; ++i) {
+    for (size_t j = 0; j < aux_layers.size(); ++j)
+      if (aux_layers[j] == i) saved[j] = x.clone();
+    const at::Tensor* w = weights.data() + 10 * i;
+    at::Tensor cache = kv_cache[i];
+    matmul(Format::Q4_1, norm_quantize(x, w[0], eps), w[1], w[2], qkv.data_ptr<float>(), false, false);
+    rope_scatter(qkv, cos_f, sin_f, slots, q, cache, T, H, KV);
+    const at::Tensor o = at::scaled_dot_product_attention(q, cache[0].slice(2, 0, S), cache[1].slice(2, 0, S), mask,
+                                                          0.0, false, scaling);
+    matmul(Format::Q4_1, heads_quantize(o.contiguous(), T, R), w[3], w[4], residual, true, false);
+    const Activations h = norm_quantize(x, w[5], eps);
+    if (!gate_up.defined()) gate_up = at::empty({B * T, w[6].size(0) * ROWS}, x.options());
+    matmul(Format::Q4_1, h, w[6], w[7], gate_up.data_ptr<float>(), false, false);
+    matmul(Format::Q4_1, silu_mul_quantize(gate_up), w[8], w[9], residual, true, false);
+  }
+  return saved;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(flashspec, m) {
+  m.def("q4_1_linear(Tensor x, Tensor packed, Tensor dm) -> Tensor");
+  m.def("q4_1_linear_portable(Tensor x, Tensor packed, Tensor dm) -> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor packed, Tensor d) -> Tensor");
+  m.def("q8_0_linear_portable(Tensor x, Tensor packed, Tensor d) -> Tensor");
+  m.def("vnni() -> bool", &vnni);  // whether the AVX512-VNNI kernels were compiled in
+  m.def("gguf_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor pos, Tensor mask, int S, int[] shape, float eps, "
+        "float scaling, Tensor[] weights, Tensor(b!)[] kv_cache, int[] aux_layers) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(flashspec, CPU, m) {
+  m.impl("q4_1_linear", q4_1_linear);
+  m.impl("q4_1_linear_portable", q4_1_linear_portable);
+  m.impl("q8_0_linear", q8_0_linear);
+  m.impl("q8_0_linear_portable", q8_0_linear_portable);
+  m.impl("gguf_layers", gguf_layers);
+}
