@@ -4,7 +4,7 @@ the CPU the same `body` runs eagerly: it is the specification the graphs replay,
 
     CapturedRound(target, head, backend, batch, graphs)  buffers for `batch` rows
     capture(shapes)          warm up and capture each shape (before a stream: it writes into the caches)
-    run(shape) -> packed     replay (or run eagerly); packed is the round's host record (`round._pack`)
+    run(shape) -> packed     replay (or run eagerly); packed is the round's host record (`pack` below)
 
 A shape is what the host decides before a round: whether the head drafts inside the graph or the ids come from
 the host (a model-free drafter; none for the no-draft arm), K, the context bucket S that attention reads, greedy

@@ -50,7 +50,7 @@ class Launched:
     """A round whose device work is queued: what `land` needs to finish it."""
     length: int  # L: the rows' length before the round
     K: int  # tokens drafted
-    packed: torch.Tensor  # the round's host record, still on the device (see `_pack`)
+    packed: torch.Tensor  # the round's host record, still on the device (see `captured.pack`)
     guessers: list[str]  # the drafters whose first-pass guesses are packed, in order
     timer: "RoundTimer"
     captured: bool = False  # ran as a captured round: the head has observed it already
