@@ -52,6 +52,16 @@ class CapturedRound:
         self.eager_rounds = 0  # rounds that found no graph of their shape (graphs on) and ran eagerly
         if head is not None:
             head.bind(batch, target.capacity)
+        self._reads = self._buffers()  # what its graphs read: valid while the models keep these
+
+    def _buffers(self) -> tuple:
+        head = self.head.fixed.cache if self.head is not None else None
+        return (self.target.kv_cache[0], None if head is None else head.k)
+
+    def serves(self, batch: int) -> bool:
+        """Whether this round still serves streams of `batch` rows: same batch, and the target's and the head's
+        caches are the tensors its graphs were captured on (a stream of another batch reallocates them)."""
+        return self.batch == batch and all(a is b for a, b in zip(self._buffers(), self._reads))
 
     @property
     def batch(self) -> int:

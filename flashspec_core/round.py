@@ -90,7 +90,8 @@ class DeviceRound:
         self.device = target.device
         self.pending: torch.Tensor | None = None  # [B, 1] the id the next verify feeds first (device)
         self.mode = captured
-        self.captured: CapturedRound | None = None  # built by `start` where it applies
+        self.captured: CapturedRound | None = None  # the stream's, set by `start` where it applies
+        self._built: CapturedRound | None = None  # the last one built, kept (with its graphs) across eager streams
 
     # -- the two calls -------------------------------------------------------------------------------
     def start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
@@ -234,11 +235,10 @@ class DeviceRound:
         heads = [d for d in self.drafters.values() if isinstance(d, DraftHeadDrafter)]
         if len(heads) > 1 or any(not d.model_free and d not in heads for d in self.drafters.values()):
             return None
-        c = self.captured
-        if c is None or c.batch != batch:
-            c = CapturedRound(self.target, heads[0] if heads else None, self.kernel_backend, batch,
-                              graphs=graphs and self.mode == "auto")
-        return c
+        if self._built is None or not self._built.serves(batch):
+            self._built = CapturedRound(self.target, heads[0] if heads else None, self.kernel_backend, batch,
+                                        graphs=graphs and self.mode == "auto")
+        return self._built
 
     def warm_up(self, sampling: SamplingConfig, max_context: int, max_gamma: int = MAX_AUTO_GAMMA) -> int:
         """Capture every shape a one-row stream up to max_context tokens can run (`shapes`), with the head reading

@@ -184,3 +184,22 @@ def test_emitted_tokens_follow_target_through_graphs(drafter):
     assert c.graphs and c.eager_rounds == 0
     assert 0 < sum(out.num_accepted) < N * 4, "the test needs both accepts and rejects"
     assert chi2(torch.tensor([t[0] for t in out.tokens]), p1.float()) < CRITICAL
+
+
+def test_the_captured_round_outlives_eager_streams_and_not_a_new_batch(tiny):
+    """A tree stream (eager rounds) keeps the captured round and its graphs for the next stream; a stream of
+    another batch reallocates the caches the graphs read, so the next one-row stream builds a new round."""
+    from flashspec_core.tree_round import TreeSize
+
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
+    engine.generate(PROMPT, 8)
+    first = engine.round.captured
+    engine.generate(PROMPT, 8, tree=TreeSize(3, 2, 4))
+    assert engine.round.captured is None
+    engine.generate(PROMPT, 8)
+    assert engine.round.captured is first
+    engine.round.start([list(PROMPT)] * 3, GREEDY, torch.Generator().manual_seed(0), captured=False)  # three rows
+    plain = engine.generate(PROMPT, 24, mode="plain").token_ids
+    assert engine.round.captured is not first
+    assert engine.generate(PROMPT, 24, drafters=["draft_head"]).token_ids == plain
