@@ -81,7 +81,9 @@ def frame(run: CompactRun, shown: int, plot: bool = True, pane: Pane | None = No
 
 
 def current(state: Session, name) -> CompactRun | None:
-    """The picked run; picking another one starts it from round 0."""
+    """The picked run; picking another one starts it from round 0. Every caller takes the replay over: a Play
+    still running (gradio's cancel lands late, a frame may be in flight) sees the new epoch and stops sending."""
+    state.replay_epoch += 1
     run = state.find(name) if isinstance(name, str) else None
     if run is not None and run.name != state.replay_name:
         state.replay_name, state.replay_shown = run.name, 0
@@ -142,10 +144,10 @@ def replay_play(state: Session, replay_pick, replay_speed, request=None) -> Iter
         return
     if state.replay_shown >= len(run):
         state.replay_shown = 0
-    state.replay_paused, pane, note, sent = False, Pane(run), "", 0.0
+    state.replay_paused, pane, note, sent, epoch = False, Pane(run), "", 0.0, state.replay_epoch
     times, t0, plotted = play_times(run, state.replay_shown, speed), time.perf_counter(), time.perf_counter()
     due = next(times, None)
-    while due is not None and not state.replay_paused:
+    while due is not None and not state.replay_paused and state.replay_epoch == epoch:
         now = time.perf_counter() - t0
         if now > MAX_PLAY_S:
             state.replay_paused, note = True, f" · paused after {MAX_PLAY_S / 60:.0f} minutes: **Play** goes on"
@@ -164,11 +166,15 @@ def replay_play(state: Session, replay_pick, replay_speed, request=None) -> Iter
         while due is not None and due <= now:
             state.replay_shown += 1
             due = next(times, None)
-        plot = time.perf_counter() - plotted >= PLOT_INTERVAL_S or due is None
+        if due is None:  # the last round: the closing frame below shows it
+            break
+        plot = time.perf_counter() - plotted >= PLOT_INTERVAL_S
         plotted = time.perf_counter() if plot else plotted
         yield frame(run, state.replay_shown, plot, pane)
         sent = time.perf_counter() - t0
         time.sleep(FRAME_INTERVAL_S)
+    if state.replay_epoch != epoch:  # a step, restart or pick took over: its frame is the one to keep
+        return
     last = frame(run, state.replay_shown, pane=pane)
     yield {**last, "replay_position": last["replay_position"] + note, "state": state}
 
@@ -195,5 +201,6 @@ def replay_load(state: Session, replay_upload) -> dict:
         except OSError:
             pass
     state.replay_name, state.replay_shown, state.replay_paused = runs[0].name, 0, True
+    state.replay_epoch += 1  # a Play of an earlier pick stops sending
     return {**frame(runs[0], 0), "replay_pick": replay_choices(state, runs[0].name), "state": state}
 

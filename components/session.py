@@ -34,6 +34,7 @@ class Session:
     replay_name: str = ""  # the run being replayed (its name)
     replay_shown: int = 0  # rounds of it on screen
     replay_paused: bool = False  # set by Pause, read by the playing handler
+    replay_epoch: int = 0  # bumped by every Play, step, restart or pick: an older Play sees it and sends no more
 
     def next_id(self, kind: str) -> str:
         self.finished += 1

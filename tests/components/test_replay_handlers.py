@@ -70,6 +70,22 @@ def test_play_follows_the_chosen_speed_and_pause_stops_it():
     assert "got None" in next(replay_play(slow, None, None))["replay_position"]
 
 
+def test_a_step_restart_or_pick_stops_a_play_before_its_next_frame():
+    """gradio's cancel of a running Play lands late: the Play itself must send nothing after another handler took
+    the replay over, or its last frame (say "(end)") would overwrite the restart's "Round 0"."""
+    for takeover in (replay_restart, replay_step, replay_pick):
+        state = session_with_a_run(rounds=5, gap=0.2)
+        play = replay_play(state, "run 1", 1.0)
+        first = next(play)
+        assert first["replay_position"].startswith("Round ")
+        shown = takeover(state, "run 1")["replay_position"]
+        assert list(play) == [], takeover.__name__
+        assert shown.startswith("Round ") and state.replay_paused
+    state = session_with_a_run(rounds=3, gap=0.01)
+    frames = list(replay_play(state, "run 1", 1.0))
+    assert sum(f["replay_position"].endswith("(end)") for f in frames) == 1  # the closing frame alone shows the end
+
+
 def test_a_play_is_bounded_in_time_and_stops_when_nobody_reads(monkeypatch):
     monkeypatch.setattr(replay_handlers, "MAX_PLAY_S", 0.3)
     state = session_with_a_run(rounds=5, gap=1.0)
