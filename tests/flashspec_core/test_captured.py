@@ -81,6 +81,7 @@ def test_the_head_ends_each_round_as_in_eager_rounds(tiny):
     """Same schedule, eager rounds against captured ones: the head's cache, state and guess agree every round."""
     target, head = tiny
     rounds = {mode: fresh_round(target, head, captured=mode) for mode in ("off", "eager")}
+    rounds["off"].drafters["draft_head"].catch_up_slots = 1  # eager rounds feed the head every round, as captured ones do
     rows = {mode: [list(PROMPT)] for mode in rounds}
     for mode, r in rounds.items():
         r.start(rows[mode], GREEDY, torch.Generator().manual_seed(0), arms=list(r.drafters))

@@ -144,6 +144,7 @@ def test_observe_after_a_tree_equals_observe_after_a_chain(target):
     feats = torch.randn(1, 2, a.head.cfg.feature_size, generator=torch.Generator().manual_seed(9))
     for d in (a, b):
         d.observe(rows, len(ROWS[0]), feats)
+        d.catch_up(rows)
     assert a.cache.length == b.cache.length == len(rows[0]) - 1
     torch.testing.assert_close(b.logits, a.logits, atol=0, rtol=0)
     assert torch.equal(a.propose_tree(rows, 3, 3, 9).tokens, b.propose_tree(rows, 3, 3, 9).tokens)

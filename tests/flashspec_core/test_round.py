@@ -1,6 +1,6 @@
-"""The device round on its own: driven directly it gives the engine's tokens; the draft head stays current whatever
-arm drafts (after other arms its cache holds every verified slot and its next draft has nothing to catch up on)
-and is scored every round; a round reads the device once."""
+"""The device round on its own: driven directly it gives the engine's tokens; the draft head keeps every verified
+slot whatever arm drafts (waiting slots go through one batched first pass before it drafts, or once CATCH_UP of
+them wait) and is scored whenever it is current; a round reads the device once."""
 import pytest
 import torch
 
@@ -64,34 +64,60 @@ def one_pass(target, head, row: list[int], slots: int):
     return cache, h[:, -1]
 
 
-def test_the_head_is_current_after_other_arms(target, head, monkeypatch):
+def test_the_head_catches_up_in_one_pass_after_other_arms(target, head, monkeypatch):
     round_ = fresh_round(target, head)
     schedule = lambda i: "draft_head" if i == 0 else ("prompt_lookup" if i % 2 else "no_draft")  # noqa: E731
     rows = drive(round_, schedule, 3, GREEDY, 0, 20)  # the head drafts once, then other arms for 10+ rounds
     drafter = round_.drafters["draft_head"]
     slots = len(rows[0]) - 1  # every position before the pending token is verified
-    assert drafter.cache.length == slots
+    waiting = sum(w.shape[1] for w in drafter.waiting)
+    assert 0 < waiting < drafter.catch_up_slots and drafter.cache.length + waiting == slots
+    assert drafter.guess is None  # no guess for a context it has not caught up with
+    fed = []  # tokens fed per head step while it drafts K = 4: the waiting slots in one pass, then K - 1 steps
+    step = head.step
+    monkeypatch.setattr(head, "step", lambda cache, tokens, hidden: fed.append(tokens.shape[1]) or step(cache, tokens, hidden))
+    proposal = drafter.propose(rows, 4)
+    assert proposal.tokens.shape == (1, 4) and fed == [waiting, 1, 1, 1]
+    assert drafter.cache.length == slots  # the verified slots stay, the draft slots were rolled back
     cache, h = one_pass(target, head, rows[0], slots)
     torch.testing.assert_close(drafter.cache.k[:, :, :slots], cache.k[:, :, :slots], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(drafter.cache.v[:, :, :slots], cache.v[:, :, :slots], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(drafter.h[:, -1], h, atol=1e-4, rtol=1e-4)
-    fed = []  # tokens fed per head step while it drafts K = 4 now: one each, K - 1 steps, no catching up
-    step = head.step
-    monkeypatch.setattr(head, "step", lambda cache, tokens, hidden: fed.append(tokens.shape[1]) or step(cache, tokens, hidden))
-    proposal = drafter.propose(rows, 4)
-    assert proposal.tokens.shape == (1, 4) and fed == [1, 1, 1]
-    assert drafter.cache.length == slots  # the draft slots were rolled back
 
 
-def test_the_head_is_scored_every_round(target, head):
-    """Pulled or not, every round gives the head one observation (its first-pass guess against the emitted token)."""
+@pytest.mark.parametrize("catch_up", [1, 4])
+def test_waiting_slots_reach_the_first_pass_at_the_threshold(target, head, catch_up):
+    """catch_up=1: a pass every round (always current); catch_up=4: a pass once 4 or more slots wait."""
+    drafters = {"draft_head": DraftHeadDrafter(head, V, catch_up=catch_up), "no_draft": NoDraft()}
+    round_ = DeviceRound(fast_or_eager(target.eval(), V), drafters, kernel_backend="torch")
+    rows, gen = [list(PROMPT)], torch.Generator().manual_seed(0)
+    round_.start(rows, GREEDY, gen, arms=list(drafters))
+    d = drafters["draft_head"]
+    assert d.cache.length == len(PROMPT) - 1 and not d.waiting and d.guess is not None  # the prompt at once
+    for i in range(1, 9):
+        round_.run(rows, drafters["no_draft"], 0, GREEDY, gen)  # one verified slot a round
+        assert d.cache.length == len(PROMPT) - 1 + i // catch_up * catch_up
+        assert (d.guess is not None) == (i % catch_up == 0)
+    with pytest.raises(ValueError, match="catch_up"):
+        DraftHeadDrafter(head, V, catch_up=0)
+
+
+def test_the_head_is_scored_whenever_it_is_current(target, head):
+    """Every round where the head has just caught up (it drafted, or CATCH_UP slots waited) gives it one
+    observation: its first-pass guess against the emitted token, pulled or not."""
     engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch")
+    drafter = engine.drafters["draft_head"]
+    drafter.catch_up_slots = 1  # current every round: an observation every round
     events = list(engine.stream(PROMPT, 40, gamma="auto", drafters=["prompt_lookup", "draft_head"]))
     assert events[0].drafter != "draft_head"  # UCB pulls the first unobserved arm first
     for e in events:
         state = {a.name: a for a in e.arms}["draft_head"]
         assert state.observations == e.index + 1, (e.index, e.drafter, state)
     assert state.pulls == sum(e.drafter == "draft_head" for e in events)
+    drafter.catch_up_slots = 4
+    events = list(engine.stream(PROMPT, 40, gamma="auto", drafters=["prompt_lookup", "draft_head"]))
+    final = {a.name: a for a in events[-1].arms}["draft_head"]
+    assert final.pulls < final.observations < len(events)  # scored when current only
 
 
 def counting(original, name: str, reads: list[str]):
@@ -113,8 +139,9 @@ def test_a_round_reads_the_device_once(target, head, arm, sampling, captured, mo
     reads = []
     for name in HOST_READS:
         monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), name, reads))
-    for _ in range(3):
+    for i in range(3):
         before = len(reads)
         out = round_.run(rows, round_.drafters[arm], 3, sampling, gen)
         assert reads[before:] == ["tolist"], reads[before:]
-        assert set(out.guesses) == {"draft_head"}  # the head's guess rode in the same copy
+        current = captured == "eager" or i == 0  # eager rounds: current after the prompt, then slots wait
+        assert set(out.guesses) == ({"draft_head"} if current else set())  # its guess rode in the same copy

@@ -51,6 +51,8 @@ def test_the_caches_end_on_the_accepted_path(tiny):
     rows = tree_rows(round_, SIZES["width4"], GREEDY, 0, 24)
     drafter = round_.drafters["draft_head"]
     slots = len(rows[0]) - 1  # every position before the pending token is verified
+    assert drafter.cache.length + sum(w.shape[1] for w in drafter.waiting) == slots  # kept or waiting
+    drafter.catch_up(rows)
     assert round_.target.length == drafter.cache.length == slots
     cache, h = one_pass(target, head, rows[0], slots)
     torch.testing.assert_close(drafter.cache.k[:, :, :slots], cache.k[:, :, :slots], atol=1e-4, rtol=1e-4)
