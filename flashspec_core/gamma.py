@@ -1,15 +1,29 @@
 """Measured costs and per-drafter acceptance, and the K ("gamma") that maximises expected tokens per second.
 
 With per-token acceptance a, a round that proposes K tokens emits (1 - a^(K+1)) / (1 - a) tokens on average
-(Leviathan et al. 2023) and costs K draft steps plus one target forward over K + 1 tokens. Both costs are
+(Leviathan et al. 2023) and costs the drafter's K tokens (`DraftCost`: a fixed part per round, such as the draft
+head catching up on the slots verified since it last ran, plus K steps) and one target forward over K + 1 tokens.
+Both costs are
 measured once per engine (`Engine.calibrate`, when it warms up), so the choice adapts to the machine (on a CPU a
 17-token forward costs ~2x one token, on a GPU with graphs nearly the same as one) while a run stays a function
 of its prompt, settings and seed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 MAX_GAMMA = 32
 MAX_AUTO_GAMMA = 16  # the largest K that gamma "auto" chooses (and that a stream captures graphs for)
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """A drafter's seconds to propose K tokens in a round: per_round + K * per_token (nothing at K = 0)."""
+    per_token: float = 0.0
+    per_round: float = 0.0
+
+    def seconds(self, K: int) -> float:
+        return self.per_round + K * self.per_token if K else 0.0
 
 
 class CostModel:
@@ -86,12 +100,12 @@ def expected_tokens(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-def best_gamma(a: float, draft_step_s: float, costs: CostModel, max_gamma: int) -> int:
+def best_gamma(a: float, draft: DraftCost, costs: CostModel, max_gamma: int) -> int:
     """The K in 1..max_gamma that maximises expected tokens per second of a round."""
     if costs.plain_step() <= 0:
         return min(4, max_gamma)
 
-    rates = [expected_tokens(a, k) / (k * draft_step_s + costs.forward(k + 1)) for k in range(1, max_gamma + 1)]
+    rates = [expected_tokens(a, k) / (draft.seconds(k) + costs.forward(k + 1)) for k in range(1, max_gamma + 1)]
     return 1 + rates.index(max(rates))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from flashspec_core.bandit import speed_reward
 from flashspec_core.drafters import Drafter, NoDraft
-from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, best_gamma
+from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost, best_gamma
 from flashspec_core.stream import Counterfactual, Played, StreamState
 
 
@@ -17,7 +17,7 @@ class HostPolicy:
     def __init__(self, drafters: dict[str, Drafter]):
         self.drafters = drafters
         self.costs = CostModel()  # the target's forward seconds by tokens fed, measured once (`set_costs`)
-        self.draft_steps = {NoDraft.name: 0.0}  # seconds per drafted token, per drafter, measured likewise
+        self.draft_costs = {NoDraft.name: DraftCost()}  # each drafter's seconds to draft, measured likewise
         for d in drafters.values():
             if d.sets_length:
                 d.costs = self.costs  # such a drafter sizes its drafts from this machine's measured costs
@@ -43,7 +43,7 @@ class HostPolicy:
         gamma = s.gamma
         if gamma == "auto":
             drafter = self.drafters[arm]
-            gamma = MAX_AUTO_GAMMA if drafter.sets_length else best_gamma(s.acceptance[arm].rate, self.draft_steps[arm],
+            gamma = MAX_AUTO_GAMMA if drafter.sets_length else best_gamma(s.acceptance[arm].rate, self.draft_costs[arm],
                                                                          self.costs, MAX_AUTO_GAMMA)
         return max(0, min(gamma, limit))
 
@@ -101,8 +101,8 @@ class HostPolicy:
     def tree_cost(self, arm: str, nodes: int, depth: int) -> float:
         """A tree round's seconds as calibrated: a draft step per level (each level's step runs over several nodes
         at once, which this counts as one) and a target forward over the tree's nodes + 1."""
-        return depth * self.draft_steps[arm] + self.costs.forward(nodes + 1)
+        return self.draft_costs[arm].seconds(depth) + self.costs.forward(nodes + 1)
 
     def cost(self, arm: str, K: int) -> float:
-        """A round's seconds as calibrated: K draft steps of the arm and a target forward over K + 1 tokens."""
-        return K * self.draft_steps[arm] + self.costs.forward(K + 1)
+        """A round's seconds as calibrated: the arm drafting K tokens and a target forward over K + 1 tokens."""
+        return self.draft_costs[arm].seconds(K) + self.costs.forward(K + 1)

@@ -1,7 +1,7 @@
 """Gamma selection from acceptance and measured costs."""
 import pytest
 
-from flashspec_core.gamma import Acceptance, CostModel, best_gamma, best_length, expected_tokens
+from flashspec_core.gamma import Acceptance, CostModel, DraftCost, best_gamma, best_length, expected_tokens
 
 
 def test_expected_tokens():
@@ -23,9 +23,20 @@ def test_best_gamma_grows_with_acceptance_and_shrinks_with_draft_cost():
     c = CostModel()
     for t, s in ((1, 0.05), (5, 0.08), (17, 0.11)):
         c.observe(t, s)
-    low, high = best_gamma(0.2, 0.0, c, 16), best_gamma(0.95, 0.0, c, 16)
+    free = DraftCost()
+    low, high = best_gamma(0.2, free, c, 16), best_gamma(0.95, free, c, 16)
     assert low < high and high >= 10
-    assert best_gamma(0.95, 0.05, c, 16) < high  # a draft step as costly as a target step: propose fewer
+    assert best_gamma(0.95, DraftCost(per_token=0.05), c, 16) < high  # a step as costly as a target step: fewer
+
+
+def test_a_draft_cost_per_round_favours_longer_drafts():
+    """A fixed cost each round the drafter runs (the head's first pass over waiting slots) is spread over K."""
+    c = CostModel()
+    for t, s in ((1, 0.05), (5, 0.08), (17, 0.11)):
+        c.observe(t, s)
+    step = DraftCost(per_token=0.01)
+    assert best_gamma(0.6, DraftCost(per_token=0.01, per_round=0.05), c, 16) > best_gamma(0.6, step, c, 16)
+    assert step.seconds(0) == 0.0 and DraftCost(0.01, 0.05).seconds(3) == pytest.approx(0.08)
 
 
 def test_acceptance_estimate_tracks_geometric_trials():
