@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashspec_core.fast_path import linear
-from flashspec_core.gguf_weights import Int8Weight, int8_rows
+from flashspec_core.gguf_weights import Int8Weight, Q8_0Weight, int8_rows, q8_0_rows
 
 CONFIG_FILE, WEIGHTS_FILE, CARD_FILE = "config.json", "model.safetensors", "card.json"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -123,7 +123,7 @@ class DraftHead(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.embed = embed.detach()  # the target's (shared storage); not a parameter, not in the state dict
         self.columns = False  # inference on the CPU: "columns" products for a few tokens (see fast_path.linear)
-        self.int8: dict[nn.Linear, Int8Weight] = {}  # inference only: products through int8 weights (`pack_int8`)
+        self.packed: dict[str, Int8Weight | Q8_0Weight] = {}  # inference only: products through packed weights (`pack`)
         D = cfg.head_dim
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -135,7 +135,7 @@ class DraftHead(nn.Module):
         ids = draft_ids.to(torch.int64).to(self.d2t.device)
         if ids.numel() != self.cfg.draft_vocab_size or ids.unique().numel() != ids.numel():
             raise ValueError(f"need {self.cfg.draft_vocab_size} distinct draft ids, got {ids.numel()}")
-        self.int8 = {}
+        self.packed = {}
         with torch.no_grad():
             self.lm_head.weight.copy_(self.embed[ids.to(self.embed.device)].to(self.lm_head.weight))
             self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
@@ -148,24 +148,32 @@ class DraftHead(nn.Module):
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     # -- the layer, in pieces shared by both forwards -----------------------------------------------
-    def pack_int8(self) -> None:
-        """Run every product (the output layer included) through int8 weights with one scale per row, for inference
-        on the CPU with bfloat16 weights: a head step then costs about half as much (a drafter need not be exact:
-        verification keeps the output exact). Training ignores it; `set_draft_vocab` drops it."""
-        if next(self.parameters()).dtype != torch.bfloat16:
-            raise ValueError("pack_int8 runs with bfloat16 activations: load the head in torch.bfloat16")
-        layer = self.midlayer
-        linears = (self.fc, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                   layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj, self.lm_head)
-        self.int8 = {m: int8_rows(m.weight.detach()) for m in linears}
+    def pack(self, native: bool) -> None:
+        """Run every product (the output layer included) through packed weights, for inference on the CPU: Q8_0
+        blocks for the native kernel (`csrc/q4_1.cpp`; float32 or bfloat16 activations) where native, else int8
+        with one scale per row (torch's `_weight_int8pack_mm`, bfloat16 only, about half as fast). q, k and v are one product, gate and up
+        another. A drafter need not be exact: verification keeps the output exact. Training ignores it;
+        `set_draft_vocab` drops it."""
+        if not native and next(self.parameters()).dtype != torch.bfloat16:
+            raise ValueError("int8 rows take bfloat16 activations: load the head in torch.bfloat16")
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        make = q8_0_rows if native else int8_rows
+        self.packed = {name: make(torch.cat([m.weight.detach() for m in layers])) for name, layers in
+                       {"fc": [self.fc], "qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
+                        "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj], "lm_head": [self.lm_head]}.items()}
 
-    def _linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        packed = self.int8.get(layer)
-        return linear(x, layer.weight if packed is None else packed, None, self.columns)
+    def _product(self, name: str, x: torch.Tensor, *layers: nn.Linear):
+        """x through `layers` (one input, outputs apart): the packed product `name` where packed, in x's dtype."""
+        packed = self.packed.get(name)
+        if packed is None:
+            outs = [linear(x, m.weight, None, self.columns) for m in layers]
+            return outs if len(layers) > 1 else outs[0]
+        out = packed(x).to(x.dtype)
+        return out.split([m.out_features for m in layers], dim=-1) if len(layers) > 1 else out
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's aux features [..., F] -> the head's hidden size [..., H] (`fc`)."""
-        return self._linear(self.fc, features)
+        return self._product("fc", features, self.fc)
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of x [B, heads, T, D] at positions pos [T] (or [B, T])."""
@@ -185,9 +193,10 @@ class DraftHead(nn.Module):
         e = F.embedding(tokens, self.embed).to(hidden.dtype)
         x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
         attn = layer.self_attn
-        q = self._linear(attn.q_proj, x).view(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = self._linear(attn.k_proj, x).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self._linear(attn.v_proj, x).view(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k, v = self._product("qkv", x, attn.q_proj, attn.k_proj, attn.v_proj)
+        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         return self._rotate(q, pos), self._rotate(k, pos), v
 
     def _finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -195,16 +204,17 @@ class DraftHead(nn.Module):
         -> the layer's pre-norm output [B, T, H] (what the next draft step reads as its hidden state)."""
         B, _, T, _ = attended.shape
         layer = self.midlayer
-        h = hidden + self._linear(layer.self_attn.o_proj, attended.transpose(1, 2).reshape(B, T, -1))
+        h = hidden + self._product("o", attended.transpose(1, 2).reshape(B, T, -1), layer.self_attn.o_proj)
         mlp, x = layer.mlp, layer.post_attention_layernorm(h)
-        return h + self._linear(mlp.down_proj, F.silu(self._linear(mlp.gate_proj, x)) * self._linear(mlp.up_proj, x))
+        gate, up = self._product("gate_up", x, mlp.gate_proj, mlp.up_proj)
+        return h + self._product("down", F.silu(gate) * up, mlp.down_proj)
 
     def logits(self, h: torch.Tensor, limit: int | None = None) -> torch.Tensor:
         """Pre-norm output [..., H] -> logits over the draft vocabulary [..., draft V], or over its first
         `limit` ids (the most frequent ones, for a cheaper step)."""
-        packed = self.int8.get(self.lm_head)
+        packed = self.packed.get("lm_head")
         if packed is not None:
-            return linear(self.norm(h), Int8Weight(packed.values[:limit], packed.scales[:limit]))
+            return packed.first(limit)(self.norm(h))
         return linear(self.norm(h), self.lm_head.weight[:limit], None, self.columns)
 
     # -- inference ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Iterator
 
 import torch
 
+from flashspec_core import native
 from flashspec_core.bandit import Bandit
 from flashspec_core.checks import SEED_RANGE, check_text, is_int, shown
 from flashspec_core.draft_head import DraftHead, HeadMismatchError, load_head
@@ -121,7 +122,7 @@ class Engine:
         draft_models = {}
         for d in drafters:
             if d == DRAFT_HEAD:
-                draft_models[d] = (head_for(target, model, int8=gguf is not None), tokenizer)  # a built DraftHeadDrafter
+                draft_models[d] = (head_for(target, model, packed=gguf is not None), tokenizer)  # a built DraftHeadDrafter
             elif d not in MODEL_FREE:
                 draft_models[d] = load_model(d, dev, dt, progress)
                 check_same_vocabulary(tokenizer, draft_models[d][1], target, d)
@@ -251,7 +252,7 @@ class Engine:
 
     def calibrate(self, context: int = 64, reps: int = 3) -> None:
         """Measure this machine's costs once: the target's forward over 1..MAX_AUTO_GAMMA + 1 tokens and each
-        drafter's propose time over 4 tokens, per token (the fastest of `reps`; a drafter added later is measured
+        drafter's propose time per round and per token (`DeviceRound.draft_cost`; a drafter added later is measured
         when it first streams). Every decision that weighs costs (copy drafters' draft lengths, auto gamma, the
         bandit's rewards) uses these fixed numbers and the round's tokens, never the round's own timings, so a
         stream is a function of its prompt, settings and seed. Each stream calls it; it measures what is missing."""
@@ -259,8 +260,8 @@ class Engine:
         if not self.policy.calibrated:
             self.policy.set_costs(self.round.forward_costs(rows, (1, 2, 3, 4, 5, 6, 8, 9, 12, MAX_AUTO_GAMMA + 1), reps))
         for name, d in self.drafters.items():
-            if name not in self.policy.draft_steps:
-                self.policy.draft_steps[name] = self.round.draft_step(rows, d, reps)
+            if name not in self.policy.draft_costs:
+                self.policy.draft_costs[name] = self.round.draft_cost(rows, d, reps)
 
     def warm_up(self, max_context: int = 2048) -> float:
         """Measure the machine's costs (`calibrate`) and, where rounds replay as CUDA graphs, capture every graph a
@@ -365,15 +366,18 @@ def _short(name: str) -> str:
     return name if name in MODEL_FREE or name == DRAFT_HEAD else "draft:" + name.rstrip("/").split("/")[-1]
 
 
-def head_for(target: str, model, int8: bool = False) -> DraftHeadDrafter:
+def head_for(target: str, model, packed: bool = False) -> DraftHeadDrafter:
     """The drafter of the trained head shipped for `target` (HEADS), on the model's device and in its dtype, or
-    with int8=True in bfloat16 with int8 products (`DraftHead.pack_int8`; beside the GGUF target on the CPU).
+    with packed=True in bfloat16 with packed products (`DraftHead.pack`: the native kernel's Q8_0 blocks where it
+    loads with its fast path, else int8 rows; beside the GGUF target on the CPU).
     Raises HeadMismatchError (a ValueError) when none ships, the file is missing, or it fits another target."""
     if target not in HEADS:
         raise HeadMismatchError(f"no draft head ships for target {target!r} (heads: {sorted(HEADS)}); train one with "
                                 f"`python -m flashspec_core.train_head`")
     embed = model.get_input_embeddings().weight
-    head = load_head(HEADS[target].folder, model.config, embed, dtype=torch.bfloat16 if int8 else embed.dtype)
-    if int8:
-        head.pack_int8()
+    fast = packed and native.load() and torch.ops.flashspec.vnni()  # the native kernel takes float32 activations
+    dtype = torch.float32 if fast else torch.bfloat16 if packed else embed.dtype
+    head = load_head(HEADS[target].folder, model.config, embed, dtype=dtype)
+    if packed:
+        head.pack(native=fast)
     return DraftHeadDrafter(head, model.config.vocab_size, HEADS[target].vocab_limit)

@@ -66,6 +66,10 @@ class Int8Weight:
     def dequantize(self) -> torch.Tensor:
         return self.values.float() * self.scales.float()[:, None]
 
+    def first(self, n: int | None) -> "Int8Weight":
+        """The first n output rows (all for None)."""
+        return self if n is None else Int8Weight(self.values[:n], self.scales[:n])
+
 
 def int8_rows(weight: torch.Tensor, dtype=torch.bfloat16) -> Int8Weight:
     """Round a float weight [N, K] to int8 with one scale per row (max |w| / 127), scales in `dtype`. The scale is
@@ -120,6 +124,13 @@ class Q8_0Weight:
         d = self.d.float().permute(0, 2, 1).reshape(-1, B).repeat_interleave(GROUP, dim=1)  # [N padded, K]
         return (q.float() * d)[:self.shape[0]]
 
+    def first(self, n: int | None) -> "Q8_0Weight":
+        """The first n output rows (all for None): whole groups of 16, the extra outputs dropped."""
+        if n is None or n >= self.shape[0]:
+            return self
+        groups = -(-n // 16)
+        return Q8_0Weight(self.packed[:groups], self.d[:groups], (n, self.shape[1]))
+
 
 PACKED = (Int4Weight, Int8Weight, Q4_1Weight, Q8_0Weight)  # weights that multiply through their own kernel
 
@@ -168,6 +179,18 @@ def q8_0_weight(q: torch.Tensor, d: torch.Tensor) -> Q8_0Weight:
     unsigned = (q.to(torch.int32) + 128).to(torch.uint8)
     packed = unsigned.view(G, 16, B, 8, 4).permute(0, 2, 3, 1, 4).reshape(G, B, 512).contiguous()
     return Q8_0Weight(packed, d.half().view(G, 16, B).permute(0, 2, 1).contiguous(), (N, K))
+
+
+def q8_0_rows(weight: torch.Tensor) -> Q8_0Weight:
+    """A float weight [N, K] rounded to Q8_0 blocks (per block of 32: d = max |w| / 127 as float16, q = w / d) for
+    the native kernel. The scale is rounded first, so q is chosen for the scale the kernel uses."""
+    N, K = weight.shape
+    if K % GROUP:
+        raise ValueError(f"Q8_0 needs in_features a multiple of {GROUP}, got {K}")
+    blocks = weight.detach().float().view(N, K // GROUP, GROUP)
+    d = (blocks.abs().amax(dim=-1) / 127).half().float()
+    q = (blocks / d.clamp_min(1e-12)[..., None]).round().clamp(-127, 127).to(torch.int8).view(N, K)
+    return q8_0_weight(q, d)
 
 
 def q8_0_blocks(raw: np.ndarray, K: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from flashspec_core import Engine, SamplingConfig
 from flashspec_core.draft_head import (ARCHITECTURE, DraftHead, HeadCache, HeadConfig, HeadMismatchError, load_head,
                                        save_head)
 from flashspec_core.fast_path import StaticCausalLM
+from flashspec_core.gguf_weights import int8_rows, q8_0_rows
 from flashspec_core.models import CausalLM
 from tests.conftest import tiny_llama
 from tests.flashspec_core.test_fast_path import build
@@ -123,6 +124,36 @@ def test_head_samples_only_its_draft_vocabulary(target):
     outside[head.draft_ids] = False
     assert proposal.q.shape == (1, 5, V) and float(proposal.q[..., outside].abs().sum()) == 0.0
     torch.testing.assert_close(proposal.q.sum(-1), torch.ones(1, 5))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["q8_0", "int8_rows"])
+def test_a_packed_head_steps_as_the_float_head(native):
+    """`DraftHead.pack`: fused q/k/v and gate/up products give each layer's own outputs bit for bit, and a packed
+    head's step stays within a few percent of the float head's (weights and, for Q8_0, activations rounded)."""
+    from flashspec_core import native as kernels
+
+    if native and not kernels.load():
+        pytest.skip(f"native kernels unavailable: {kernels.why_not()}")
+    big = tiny_llama(vocab=V, seed=4, layers=3, hidden=64)  # products need in_features a multiple of 32
+    head = tiny_head(big)
+    packed = tiny_head(big).to(torch.float32 if native else torch.bfloat16)
+    packed.pack(native=native)
+    x = torch.randn(1, 3, 128).to(next(packed.parameters()).dtype)
+    attn = packed.midlayer.self_attn
+    fused = packed._product("qkv", x, attn.q_proj, attn.k_proj, attn.v_proj)
+    rows = q8_0_rows if native else int8_rows
+    for out, layer in zip(fused, (attn.q_proj, attn.k_proj, attn.v_proj)):
+        assert torch.equal(out, rows(layer.weight.detach())(x).to(x.dtype))
+    features = torch.randn(1, 5, head.cfg.feature_size, generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = head.step(HeadCache(head.cfg, 1, 8, "cpu", torch.float32), tokens, head.fuse(features))
+        dtype = next(packed.parameters()).dtype
+        got = packed.step(HeadCache(packed.cfg, 1, 8, "cpu", dtype), tokens, packed.fuse(features.to(dtype)))
+    err = (got.float() - want).norm() / want.norm()
+    assert err < 0.03, f"relative error {err:.4f}"
+    with pytest.raises(ValueError, match="bfloat16"):
+        tiny_head(big).pack(native=False)
 
 
 def test_saved_layout_is_eagle3_and_loads_back(target, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashspec_core import native
-from flashspec_core.gguf_weights import GGUFFile, q4_1_blocks, q4_1_weight, q8_0_blocks, q8_0_weight
+from flashspec_core.gguf_weights import GGUFFile, q4_1_blocks, q4_1_weight, q8_0_blocks, q8_0_rows, q8_0_weight
 from flashspec_core.models import embedded_gguf_path, embedded_package_present
 
 pytestmark = pytest.mark.skipif(not native.load(), reason=f"native kernels unavailable: {native.why_not()}")
@@ -91,6 +91,20 @@ def test_q8_0_on_random_blocks():
     x = torch.randn(3, 96).bfloat16()
     expected = quantised_activations(x).double() @ weight.dequantize().double().t()
     assert (weight(x).double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+def test_q8_0_rows_round_a_float_weight_within_half_a_step_and_first_keeps_rows():
+    """The draft head's weights (`DraftHead.pack`): each block of 32 within half its float16 scale d; the first
+    n rows of a packed weight give the full product's first n outputs, bit for bit."""
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(5))
+    packed = q8_0_rows(w)
+    d = packed.dequantize().view(40, 3, 32)
+    scale = (w.view(40, 3, 32).abs().amax(-1) / 127).half().float()
+    assert ((d - w.view(40, 3, 32)).abs().amax(-1) <= scale / 2 + 1e-7).all()
+    x = torch.randn(2, 96).bfloat16()
+    assert torch.equal(packed.first(20)(x), packed(x)[:, :20]) and packed.first(None) is packed
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8_0_rows(torch.zeros(16, 40))
 
 
 def test_errors_name_the_bad_value():
