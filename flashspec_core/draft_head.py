@@ -175,13 +175,16 @@ class DraftHead(nn.Module):
         """The target's aux features [..., F] -> the head's hidden size [..., H] (`fc`)."""
         return self._product("fc", features, self.fc)
 
-    def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of x [B, heads, T, D] at positions pos [T] (or [B, T])."""
+    def _rotary(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, D] (or [B, 1, T, D] for per-row positions [B, T]) at positions pos [T] (or [B, T])."""
         freqs = pos.to(torch.float32)[..., None] * self.inv_freq  # [(B,) T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        if cos.dim() == 3:  # per-row positions
-            cos, sin = cos[:, None], sin[:, None]
+        cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        return (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos, sin)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of x [B, heads, T, D] (`_rotary`'s cos and sin)."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -197,7 +200,8 @@ class DraftHead(nn.Module):
         q = q.reshape(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        return self._rotate(q, pos), self._rotate(k, pos), v
+        cos, sin = self._rotary(pos, q.dtype)  # once for q and k
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
 
     def _finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The residual update after attention: hidden [B, T, H] (the un-normed input), attended [B, nh, T, D]
