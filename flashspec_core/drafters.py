@@ -580,10 +580,9 @@ class DraftHeadDrafter(Drafter):
         cropped back to the verified slots.
 
         The shape is shared by a batch: row 0's scores choose it (which frontier node and which of its ranked
-        children), and every row carries its own tokens at those places (its own r-th best child). The children
-        are a function of the pre-round state (q = None, one-hot at each node's token), which makes tree
-        verification exact at any temperature for every row; the scores use the head's own distribution
-        (temperature 1) and only decide the shape.
+        children), and every row carries its own tokens at those places (its own r-th best child). Greedy, the
+        children are a function of the pre-round state (q = None, one-hot at each node's token). At temperature
+        > 0 the head samples instead (`_sampled_tree`): a shape fixed in advance, children drawn from q.
         """
         self._check_tree(depth, top_k, size)
         B = len(rows)
@@ -591,6 +590,8 @@ class DraftHeadDrafter(Drafter):
         if self.h is None:  # no verified features yet (a one-token prompt): an empty tree, a plain round
             none = torch.empty((B, 0), device=self.device)
             return TreeProposal(DraftTree(()), none.long(), None, none)
+        if not self.sampling.greedy:
+            return self._sampled_tree(DraftTree.static(depth, top_k, size))
         verified = self.cache.length
         frontier = _Frontier(h=self.h, logits=self.logits[:, None], score=self.logits.new_zeros(B, 1),
                              ids=torch.full((1,), -1, dtype=torch.int64, device=self.device),
@@ -606,6 +607,48 @@ class DraftHeadDrafter(Drafter):
             count += score[0].numel()
         self.cache.crop(verified)  # the tree's slots go; the verified ones stay
         return self._rerank(torch.cat(scores, 1), torch.cat(parents), torch.cat(index, 1), size)
+
+    def _sampled_tree(self, tree: DraftTree) -> TreeProposal:
+        """A tree of a shape fixed before any draw, each node's children drawn from the head's q at that node without
+        replacement (Gumbel top-k): the j-th sibling's law is q with the earlier siblings' tokens removed,
+        renormalised (one-hot where q has no other token left), which is the law the tree verifier's sampled test
+        needs for every node given the path to it (`kernels.tree_verify`). One head step a level over its nodes,
+        each seeing the verified slots, its ancestors and itself; the cache is cropped back to the verified slots."""
+        B, N, verified = self.h.shape[0], tree.N, self.cache.length
+        index = torch.zeros((B, N), dtype=torch.int64, device=self.device)  # draft-vocabulary index per node
+        q = self.logits.new_zeros(B, N, self.ids.numel())
+        score = self.logits.new_zeros(B, N)
+        h, logits = {0: self.h[:, -1]}, {0: self.logits}  # by slot (0 = the root): head output, children's logits
+        cached: list[int] = []  # tree nodes in the head's cache, in the order appended
+        for d in range(1, tree.max_depth + 1):
+            level = [i for i in range(N) if tree.depth[i] == d]
+            for slot in sorted({tree.parents[i] + 1 for i in level}):
+                kids = list(tree.children[slot])
+                law = logits_to_probs(logits[slot], self.sampling)  # [B, draft V]
+                drawn, laws = _without_replacement(law, len(kids), self.generator)
+                index[:, kids], q[:, kids] = drawn, laws
+                base = score[:, slot - 1:slot] if slot else 0.0
+                score[:, kids] = base + laws.gather(-1, drawn[..., None]).squeeze(-1).clamp_min(1e-30).log()
+            if d < tree.max_depth:
+                mask = self._level_mask(tree, level, cached, verified)
+                positions = torch.full((len(level),), verified + d - 1, dtype=torch.int64, device=self.device)
+                parents_h = torch.stack([h[tree.parents[i] + 1] for i in level], dim=1)  # [B, W, H]
+                out = self.head.step(self.cache, self.ids[index[:, level]], parents_h, positions, mask)
+                out_logits = self.head.logits(out, self.limit).float()
+                for j, i in enumerate(level):
+                    h[i + 1], logits[i + 1] = out[:, j], out_logits[:, j]
+                cached += level
+        self.cache.crop(verified)
+        return TreeProposal(tree, self.ids[index], self._widen(q), score)
+
+    def _level_mask(self, tree: DraftTree, level: list[int], cached: list[int], verified: int) -> torch.Tensor:
+        """[W, cache length + W] bool: each node of `level` sees the verified slots, its ancestors among the cached
+        tree nodes and itself."""
+        rows = []
+        for i in level:
+            ancestors = set(tree.path_to(tree.parents[i]))
+            rows.append([True] * verified + [n in ancestors for n in cached] + [n == i for n in level])
+        return torch.tensor(rows, dtype=torch.bool, device=self.device)
 
     def _check_tree(self, depth, top_k, size) -> None:
         for name, value in (("depth", depth), ("top_k", top_k), ("size", size)):
@@ -660,6 +703,22 @@ class _Frontier:
         """Each node's top_k draft-vocabulary indices, best first, and their cumulative scores: [B, W, k] each."""
         logq, index = self.logits.log_softmax(dim=-1).topk(min(top_k, self.logits.shape[-1]), dim=-1)
         return self.score[..., None] + logq, index
+
+
+def _without_replacement(law: torch.Tensor, c: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """c draws per row from law [B, V] without replacement (the exponential race's c best: Gumbel top-k), and the
+    law each was drawn from given the earlier ones: [B, c] indices, [B, c, V] laws. Where the law has no token
+    left, the draw is the next index in the race and its law one-hot there (a deterministic sibling)."""
+    noise = torch.empty_like(law).exponential_(generator=generator)
+    drawn = (law / noise).topk(c, dim=-1).indices  # [B, c]
+    laws = []
+    left = law.clone()
+    for j in range(c):
+        mass = left.sum(dim=-1, keepdim=True)
+        one_hot = torch.zeros_like(left).scatter_(-1, drawn[:, j:j + 1], 1.0)
+        laws.append(torch.where(mass > 0, left / mass.clamp_min(1e-30), one_hot))
+        left = left.scatter(-1, drawn[:, j:j + 1], 0.0)
+    return drawn, torch.stack(laws, dim=1)
 
 
 def draw(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -14,6 +14,8 @@ context_len + s.
 from __future__ import annotations
 
 import functools
+import heapq
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,26 @@ class DraftTree:
                     parents.append(parent)
                     nxt.append(len(parents) - 1)
             level = nxt
+        return cls(tuple(parents))
+
+    @classmethod
+    def static(cls, depth: int, top_k: int, size: int, first: float = 0.6, ratio: float = 1 / 3) -> "DraftTree":
+        """`size` nodes, at most `depth` levels and `top_k` children a node, chosen before anything is drafted (the
+        shape of sampled trees, which must not depend on the draws): best first under a prior in which a node's r-th
+        child (r = 0, 1, ...) is accepted with probability first * ratio^r and a path with the product of its
+        children's. A chain comes first, then second children near the root. Numbered in the order chosen, so
+        parents precede children and siblings come in rank order."""
+        prior = [math.log(first * ratio ** r) for r in range(top_k)]
+        heap = [(-prior[r], r, -1, 1) for r in range(top_k)]  # (minus log prior, tie order, parent, depth)
+        parents: list[int] = []
+        order = top_k
+        while heap and len(parents) < size:
+            score, _, parent, d = heapq.heappop(heap)
+            parents.append(parent)
+            if d < depth:
+                for r in range(top_k):
+                    heapq.heappush(heap, (score - prior[r], order, len(parents) - 1, d + 1))
+                    order += 1
         return cls(tuple(parents))
 
     @property

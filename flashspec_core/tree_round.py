@@ -51,7 +51,7 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     start = target.length  # the root's (the pending token's) cache position
     logits = target.forward_tree(torch.cat([round_.pending, proposal.tokens], dim=1), tree)  # [B, N+1, V] verify
     p = logits if sampling.greedy else logits_to_probs(logits, sampling)
-    result = verify_tree(tree, proposal.tokens, None, p, generator=generator, greedy=sampling.greedy,
+    result = verify_tree(tree, proposal.tokens, proposal.q, p, generator=generator, greedy=sampling.greedy,
                          backend=round_.kernel_backend)  # accept test
     shown = logits.softmax(dim=-1) if sampling.greedy else p
     timer.launched()

@@ -150,11 +150,30 @@ def test_observe_after_a_tree_equals_observe_after_a_chain(target):
     assert torch.equal(a.propose_tree(rows, 3, 3, 9).tokens, b.propose_tree(rows, 3, 3, 9).tokens)
 
 
-def test_sampling_drafts_the_same_deterministic_tree(target):
-    """At temperature > 0 the children are still the top-k (q None, one-hot): the verifier stays exact."""
-    greedy = drafter_at(target).propose_tree(ROWS, 4, 3, 12)
-    hot = drafter_at(target, sampling=SamplingConfig(temperature=1.0, top_p=0.9)).propose_tree(ROWS, 4, 3, 12)
-    assert hot.q is None and hot.tree == greedy.tree and torch.equal(hot.tokens, greedy.tokens)
+def test_sampling_draws_each_nodes_children_without_replacement_on_a_fixed_shape(target):
+    """At temperature > 0 the shape is `DraftTree.static` whatever the draws (the seed changes tokens, not the
+    shape); siblings differ; each node's law sums to 1, gives its token mass, and for a later sibling is the first
+    sibling's law with the earlier tokens removed, renormalised; the head's cache ends on the verified slots."""
+    hot = SamplingConfig(temperature=1.0, top_p=0.95)
+    shape = DraftTree.static(4, 3, 12)
+    proposals = []
+    for seed in (0, 1):
+        drafter = drafter_at(target, sampling=hot)
+        drafter.generator = torch.Generator().manual_seed(seed)
+        verified = drafter.cache.length
+        proposals.append(drafter.propose_tree(ROWS, 4, 3, 12))
+        assert drafter.cache.length == verified
+    a, b = proposals
+    assert a.tree == b.tree == shape and not torch.equal(a.tokens, b.tokens)
+    q, tokens = a.q[0], a.tokens[0]
+    torch.testing.assert_close(q.sum(-1), torch.ones(shape.N))
+    assert (q.gather(-1, tokens[:, None]) > 0).all()
+    for kids in shape.children:
+        assert len({int(tokens[k]) for k in kids}) == len(kids)
+        for j, k in enumerate(kids[1:], start=1):
+            first = q[kids[0]].clone()
+            first[tokens[list(kids[:j])]] = 0
+            torch.testing.assert_close(q[k], first / first.sum())
 
 
 def test_a_batch_shares_row_0s_shape_with_its_own_tokens(target):

@@ -29,6 +29,17 @@ def test_full_trees_number_siblings_consecutively_level_by_level():
     assert TREE.parent_slots().tolist() == [0, 0, 1, 1, 2, 3]
 
 
+def test_a_static_tree_is_a_chain_first_then_siblings_near_the_root():
+    assert DraftTree.static(4, 1, 4) == DraftTree.chain(4)
+    t = DraftTree.static(3, 4, 12)
+    assert t.N == 12 and t.max_depth == 3 and max(len(k) for k in t.children) <= 4
+    assert t.parents[:3] == (-1, 0, 1) and t.parents[3] == -1  # the chain to depth 3, then the root's second child
+    assert DraftTree.static(5, 2, 64).N == 2 + 4 + 8 + 16 + 32  # every node there is, when size allows
+    full = DraftTree.static(2, 3, 100)  # all of a full (3, 3) tree, numbered best first
+    assert sorted(full.depth) == sorted(DraftTree.full((3, 3)).depth) 
+    assert len(full.children[0]) == 3 and all(len(full.children[i + 1]) == 3 for i in range(12) if full.depth[i] == 1)
+
+
 def test_a_chain_is_the_special_case():
     K = 4
     chain = DraftTree.chain(K)
