@@ -1,15 +1,10 @@
-import dataclasses
 import re
 
-from fake_events import make_event
+from fake_events import TREE, make_event, make_tree_event
 
 from components.tokens import KINDS, legend_html, span_html, stats_markdown, tokens_html, tree_text
 from flashspec_core import TokenSpan
 from flashspec_core.stream import DraftedTree
-
-# a tree round: " the" accepted, then " cat" (tried, rejected) and its child; "<b>" a rejected branch at the root
-TREE = DraftedTree(tokens=(10, 20, 21, 22), parents=(-1, 0, -1, 1), accepted=(0,),
-                   texts=(" the", " cat", '<b onmouseover="x">', "\n"))
 
 
 def test_span_escapes_text_and_keeps_whitespace():
@@ -85,9 +80,7 @@ def test_end_of_turn_tokens_are_a_marker_not_text():
 
 
 def test_a_tree_rounds_tokens_show_its_branches_escaped():
-    ev = dataclasses.replace(make_event(0, "draft_head", accepted=(" the",), rejected=(" cat",), last=("resampled", " dog")),
-                             drafted_tree=TREE, tree_nodes=4)
-    out = tokens_html([ev, make_event(1)], live=False)
+    out = tokens_html([make_tree_event(0), make_event(1)], live=False)
     assert out.count("tok-tree") == 2 and "tok-rejected" not in out  # the round's two shown tokens, not round 1's
     title = re.search(r'class="tok tok-accepted tok-tree" title="([^"]*)"', out).group(1)
     assert "draft tree: 4 nodes, 1 accepted (✓), 3 dropped (✗)" in title
