@@ -162,7 +162,8 @@ class CompactRun(NamedByRecord):
             spans=tuple(pieces), text="".join(s.text for s in pieces if s.kind != "rejected"), draft_s=draft_s,
             verify_s=verify_s, round_s=round_s, elapsed_s=elapsed_s, new_tokens=self.new_tokens[i],
             arms=self.event_arms(i), finished=FINISHED[self.finished[i]], prefill_s=self.prefill_s,
-            tree_nodes=self.node_end[i] - (self.node_end[i - 1] if i else 0), drafted_tree=self.tree(i) if spans else None)
+            tree_nodes=self.node_end[i] - (self.node_end[i - 1] if i else 0),
+            drafted_tree=self.tree(i) if spans else None)
 
     def tree(self, i: int) -> DraftedTree | None:
         """Round i's draft tree, None for a chain round."""

@@ -223,7 +223,8 @@ def load_document(text: str, source: str = "file") -> list[CompactRun]:
     if not isinstance(runs, list) or not 0 < len(runs) <= MAX_RUNS:
         raise BadRunFile(f"the file should hold 1 to {MAX_RUNS} runs")
     rounds = sum(len(r["events"]) for r in runs if isinstance(r, dict) and isinstance(r.get("events"), list))
-    spans = sum(len(e["spans"]) + _tree_size(e) for r in runs if isinstance(r, dict) and isinstance(r.get("events"), list)
+    spans = sum(len(e["spans"]) + _tree_size(e)
+                for r in runs if isinstance(r, dict) and isinstance(r.get("events"), list)
                 for e in r["events"] if isinstance(e, dict) and isinstance(e.get("spans"), list))
     if rounds > MAX_ROUNDS or spans > MAX_SPANS:
         raise BadRunFile(f"the file holds {rounds:,} rounds and {spans:,} tokens; at most {MAX_ROUNDS:,} and "

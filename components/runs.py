@@ -22,8 +22,8 @@ import pandas as pd
 from components.compact import NamedByRecord
 from flashspec_core import RoundEvent
 
-COLUMNS = ("run", "leg", "when", "mode", "example", "pair", "models", "drafters", "bandit", "gamma", "draft_shape", "temperature",
-           "top_p", "max_new_tokens", "seed", "backend", "new_tokens", "tok_per_s", "decode_tok_per_s",
+COLUMNS = ("run", "leg", "when", "mode", "example", "pair", "models", "drafters", "bandit", "gamma", "draft_shape",
+           "temperature", "top_p", "max_new_tokens", "seed", "backend", "new_tokens", "tok_per_s", "decode_tok_per_s",
            "acceptance", "tokens_per_forward", "target_forwards", "elapsed_s", "prefill_s", "speedup", "pulls",
            "finished")
 ROUNDED = {"tok_per_s": 2, "decode_tok_per_s": 2, "acceptance": 3, "tokens_per_forward": 3, "elapsed_s": 3,

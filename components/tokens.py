@@ -44,8 +44,8 @@ def span_html(span: TokenSpan, drafter: str, tree: str = "") -> str:
     q = "" if span.q is None else f" · q = {span.q:.3f}"
     marker = special_marker(span.text)
     token = f"\ntoken {span.text}" if marker else ""
-    title = f"{KIND_LABELS[span.kind]} · drafter: {drafter}\np = {span.p:.3f}{q}{token}" + (f"\n\n{tree}" if tree else "")
-    title = html.escape(title).replace("\n", "&#10;")
+    title = f"{KIND_LABELS[span.kind]} · drafter: {drafter}\np = {span.p:.3f}{q}{token}"
+    title = html.escape(title + (f"\n\n{tree}" if tree else "")).replace("\n", "&#10;")
     classes = f"tok tok-{span.kind}" + (" tok-tree" if tree else "")
     if marker:
         return f'<span class="{classes} tok-special" title="{title}" data-marker="{html.escape(marker)}"></span>'
@@ -63,7 +63,8 @@ def tree_text(tree: DraftedTree) -> str:
     def walk(node: int, depth: int) -> None:
         for child in children.get(node, ()):
             piece = tree.texts[child] if child < len(tree.texts) else ""
-            lines.append(f"{'  ' * depth}{'✓' if child in accepted else '✗'} {shown_piece(piece, tree.tokens[child])}")
+            mark = "✓" if child in accepted else "✗"
+            lines.append(f"{'  ' * depth}{mark} {shown_piece(piece, tree.tokens[child])}")
             walk(child, depth + 1)
 
     walk(-1, 0)

@@ -41,5 +41,6 @@ TREE = DraftedTree(tokens=(10, 20, 21, 22), parents=(-1, 0, -1, 1), accepted=(0,
 
 def make_tree_event(index, **kwargs) -> RoundEvent:
     """A draft head's tree round whose spans agree with TREE: " the" accepted, " cat" rejected, " dog" resampled."""
-    event = make_event(index, "draft_head", accepted=(" the",), rejected=(" cat",), last=("resampled", " dog"), **kwargs)
+    event = make_event(index, "draft_head", accepted=(" the",), rejected=(" cat",), last=("resampled", " dog"),
+                       **kwargs)
     return dataclasses.replace(event, drafted_tree=TREE, tree_nodes=len(TREE.tokens))

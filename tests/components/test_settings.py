@@ -141,7 +141,8 @@ def test_draft_shape_chain_or_a_tree_for_the_draft_head():
     assert chain.tree is None and chain.record()["draft_shape"] == "chain" and "tree" not in chain.describe()
     tree = parse_settings(**{**GOOD, "roles": ["draft_head", "prompt_lookup"], "shape": "tree 16"})
     assert tree.tree == DRAFT_SHAPES["tree 16"] and tree.tree.size == 16
-    assert tree.record()["draft_shape"] == "tree 16 (depth 6, top-k 4)" and "· tree 16 (depth 6, top-k 4) ·" in tree.describe()
+    assert tree.record()["draft_shape"] == "tree 16 (depth 6, top-k 4)"
+    assert "· tree 16 (depth 6, top-k 4) ·" in tree.describe()
     plain = parse_settings(**{**GOOD, "shape": "tree 8"}, mode="plain")  # plain mode drafts nothing: no shape
     assert plain.tree is None and plain.record()["draft_shape"] == ""
 

@@ -84,7 +84,7 @@ def test_a_tree_rounds_tokens_show_its_branches_escaped():
     assert out.count("tok-tree") == 2 and "tok-rejected" not in out  # the round's two shown tokens, not round 1's
     title = re.search(r'class="tok tok-accepted tok-tree" title="([^"]*)"', out).group(1)
     assert "draft tree: 4 nodes, 1 accepted (✓), 3 dropped (✗)" in title
-    assert "✓ &quot; the&quot;&#10;  ✗ &quot; cat&quot;&#10;    ✗ &quot;\\n&quot;" in title  # nested, newline shown
+    assert "✓ &quot; the&quot;&#10;  ✗ &quot; cat&quot;&#10;    ✗ &quot;\\n&quot;" in title  # nested, a newline as \\n
     assert "✗ &quot;&lt;b onmouseover=\\&quot;x\\&quot;&gt;&quot;" in title  # escaped: no markup from a token
     assert "<b " not in out and 'onmouseover="' not in out
 
