@@ -1,9 +1,10 @@
 """Runs kept for replay in a compact form, and the server-wide store of the runs loaded from files.
 
-A `CompactRun` holds a run's rounds as numbers in typed arrays and its token texts as one UTF-8 string (about
-30 bytes a token, against ~250 as parsed JSON or RoundEvents). It rebuilds the RoundEvents of any range of
-rounds, and the headline stats of any prefix, without touching the other rounds. `LoadedRuns` keeps the runs
-loaded from files for every session, bounded per session and in total by bytes, least recently used first out.
+A `CompactRun` holds a run's rounds (tree rounds with their draft trees) as numbers in typed arrays and its token
+texts as one UTF-8 string (about 30 bytes a token, against ~250 as parsed JSON or RoundEvents). It rebuilds the
+RoundEvents of any range of rounds, and the headline stats of any prefix, without touching the other rounds.
+`LoadedRuns` keeps the runs loaded from files for every session, bounded per session and in total by bytes, least
+recently used first out.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from flashspec_core import ArmState, RoundEvent, TokenSpan
 from flashspec_core.engine import MODES
+from flashspec_core.stream import DraftedTree
 
 KINDS = ("accepted", "rejected", "resampled", "bonus", "plain")  # components.tokens.KINDS, in this order
 FINISHED = (None, "eos", "length")
@@ -52,6 +54,7 @@ class CompactRun(NamedByRecord):
     new_tokens: array = field(default_factory=lambda: array("L"))
     span_end: array = field(default_factory=lambda: array("L"))  # round i's spans: span_end[i - 1]..span_end[i]
     arm_end: array = field(default_factory=lambda: array("L"))  # likewise for its arm states
+    node_end: array = field(default_factory=lambda: array("L"))  # likewise for its draft tree's nodes (none: a chain)
     sums: array = field(default_factory=lambda: array("d"))  # running gamma, accepted, round_s sums per round
     prefill_s: float = 0.0
     # per span
@@ -64,6 +67,12 @@ class CompactRun(NamedByRecord):
     arm: array = field(default_factory=lambda: array("H"))  # index into names
     counts: array = field(default_factory=lambda: array("L"))  # pulls, observations
     scores: array = field(default_factory=lambda: array("d"))  # mean, score (inf: untried)
+    # per draft tree node (tree rounds only)
+    node_token: array = field(default_factory=lambda: array("L"))
+    node_parent: array = field(default_factory=lambda: array("b"))  # -1: the root
+    node_accepted: bytearray = field(default_factory=bytearray)  # 1 on the accepted path (its nodes ascend)
+    node_text: bytearray = field(default_factory=bytearray)  # the nodes' texts, UTF-8, one after the other
+    node_text_end: array = field(default_factory=lambda: array("L"))
 
     def __len__(self) -> int:
         return len(self.gamma)
@@ -71,10 +80,11 @@ class CompactRun(NamedByRecord):
     @property
     def nbytes(self) -> int:
         arrays = (self.drafter, self.gamma, self.accepted, self.seconds, self.new_tokens, self.span_end, self.arm_end,
-                  self.sums, self.token, self.pq, self.text_end, self.arm, self.counts, self.scores)
+                  self.sums, self.token, self.pq, self.text_end, self.arm, self.counts, self.scores, self.node_end,
+                  self.node_token, self.node_parent, self.node_text_end)
         small = len(self.prompt) + sum(len(n) for n in self.names) + 2000
         return sum(a.itemsize * len(a) for a in arrays) + len(self.mode) + len(self.finished) + len(self.kind) + \
-            len(self.text) + small
+            len(self.text) + len(self.node_accepted) + len(self.node_text) + small
 
     # -- building ------------------------------------------------------------------------------------
     def _number(self, name: str) -> int:
@@ -106,7 +116,19 @@ class CompactRun(NamedByRecord):
             self.counts.extend((a.pulls, a.observations))
             self.scores.extend((a.mean, a.score))
         self.arm_end.append(len(self.arm))
+        self.add_tree(e.drafted_tree)
         self.prefill_s = e.prefill_s
+
+    def add_tree(self, tree: DraftedTree | None) -> None:
+        if tree is not None:
+            path = set(tree.accepted)
+            for i, (t, parent) in enumerate(zip(tree.tokens, tree.parents)):
+                self.node_token.append(t)
+                self.node_parent.append(parent)
+                self.node_accepted.append(i in path)
+                self.node_text += (tree.texts[i] if i < len(tree.texts) else "").encode("utf-8")
+                self.node_text_end.append(len(self.node_text))
+        self.node_end.append(len(self.node_token))
 
     # -- reading -------------------------------------------------------------------------------------
     def elapsed(self, i: int) -> float:
@@ -139,7 +161,19 @@ class CompactRun(NamedByRecord):
             resampled=ids[-1] if last == "resampled" else None, bonus=ids[-1] if last in ("bonus", "plain") else None,
             spans=tuple(pieces), text="".join(s.text for s in pieces if s.kind != "rejected"), draft_s=draft_s,
             verify_s=verify_s, round_s=round_s, elapsed_s=elapsed_s, new_tokens=self.new_tokens[i],
-            arms=self.event_arms(i), finished=FINISHED[self.finished[i]], prefill_s=self.prefill_s)
+            arms=self.event_arms(i), finished=FINISHED[self.finished[i]], prefill_s=self.prefill_s,
+            tree_nodes=self.node_end[i] - (self.node_end[i - 1] if i else 0),
+            drafted_tree=self.tree(i) if spans else None)
+
+    def tree(self, i: int) -> DraftedTree | None:
+        """Round i's draft tree, None for a chain round."""
+        lo, hi = (self.node_end[i - 1] if i else 0), self.node_end[i]
+        if lo == hi:
+            return None
+        texts = [self.node_text[(self.node_text_end[j - 1] if j else 0):self.node_text_end[j]].decode("utf-8")
+                 for j in range(lo, hi)]
+        return DraftedTree(tuple(self.node_token[lo:hi]), tuple(self.node_parent[lo:hi]),
+                           tuple(j - lo for j in range(lo, hi) if self.node_accepted[j]), tuple(texts))
 
     def event_arms(self, i: int) -> tuple[ArmState, ...]:
         lo, hi = (self.arm_end[i - 1] if i else 0), self.arm_end[i]

@@ -120,7 +120,8 @@ def open_stream(slot, prompt, settings: RunSettings):
     drafters = arm_names(settings.pair, list(slot.engine.drafters), settings.roles) if speculative else None
     return slot.engine.stream(prompt, max_new_tokens=settings.max_new_tokens, sampling=settings.sampling,
                               gamma=settings.gamma if speculative else 0, mode=settings.mode, seed=settings.seed,
-                              drafters=drafters, bandit=settings.bandit)
+                              drafters=drafters, bandit=settings.bandit,
+                              tree=settings.tree if speculative else None)
 
 
 def policy():

@@ -36,7 +36,8 @@ def why_different(a: RunSettings, b: RunSettings) -> str:
         return ("under greedy decoding they should match; a near-tie between two tokens can flip with the shape "
                 "of the target's forward pass (one token, or K + 1 at once).")
     changed = [name for name, x, y in (("mode", a.mode, b.mode), ("drafters", a.roles, b.roles),
-                                       ("gamma", a.gamma, b.gamma), ("bandit", a.bandit, b.bandit),
+                                       ("gamma", a.gamma, b.gamma), ("draft shape", a.shape, b.shape),
+                                       ("bandit", a.bandit, b.bandit),
                                        ("model pair", a.pair, b.pair), ("backend", a.backend, b.backend)) if x != y]
     if not changed:
         return ("the two configurations are the same, so the tokens should be too (costs are measured once per "

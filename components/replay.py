@@ -17,6 +17,7 @@ import gradio as gr
 from flashspec_core import MODES, ArmState, RoundEvent, TokenSpan
 from flashspec_core.checks import check_text, shown
 from flashspec_core.gamma import MAX_GAMMA
+from flashspec_core.stream import DraftedTree
 
 from components.arms import arms_figure
 from components.compact import CompactRun
@@ -102,6 +103,30 @@ def _arm(a, where: str) -> ArmState:
                     _get(d, "mean", float, where, lo=0.0, hi=1.0), math.inf if score is None else score)
 
 
+def _tree(t, accepted: tuple[int, ...], where: str) -> DraftedTree | None:
+    """A tree round's draft tree: at most MAX_GAMMA nodes, each parent an earlier node (or -1, the root), texts as
+    span texts, and the accepted nodes a path from the root whose tokens are the round's accepted ids."""
+    if t is None:
+        return None
+    keys = ("tokens", "parents", "accepted", "texts")
+    if not isinstance(t, dict) or set(t) != set(keys) or not all(isinstance(t[k], list) for k in keys):
+        raise BadRunFile(f"{where}: 'tree' should be null or an object of lists {list(keys)}")
+    tokens, parents, path, texts = (t[k] for k in keys)
+    n = len(tokens)
+    ok = 0 < n <= MAX_GAMMA and len(parents) == len(texts) == n and all(_is_id(x) for x in tokens)
+    ok = ok and all(_is_int(p) and -1 <= p < i for i, p in enumerate(parents))
+    ok = ok and all(_is_int(a) and 0 <= a < n for a in path) and len(path) <= n
+    ok = ok and [parents[a] for a in path] == [-1, *path][:len(path)] and tuple(tokens[a] for a in path) == accepted
+    if not ok:
+        raise BadRunFile(f"{where}: the 'tree' is not a draft tree whose accepted path gives the accepted ids")
+    texts = tuple(_text(x, f"{where}: a tree node's text", MAX_TEXT) for x in texts)
+    return DraftedTree(tuple(tokens), tuple(parents), tuple(path), texts)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _agree(spans: tuple[TokenSpan, ...], accepted, rejected, resampled, bonus) -> bool:
     """Spans as the engine makes them: the accepted drafts, the rejected ones, then the resampled or bonus token."""
     last = [t for t in (resampled, bonus) if t is not None]
@@ -137,12 +162,14 @@ def event_from_dict(d, where: str, index: int = 0) -> RoundEvent:
     if seconds["round_s"] < MIN_SECONDS or seconds["elapsed_s"] < MIN_SECONDS:
         raise BadRunFile(f"{where}: 'round_s' and 'elapsed_s' should be at least {MIN_SECONDS:g} s")
     _get(d, "text", str, where)  # checked, then rebuilt from the spans
+    tree = _tree(d.get("tree"), accepted, where)
     return RoundEvent(
         index=index, mode=mode, drafter=_name(d.get("drafter"), where), gamma=gamma, accepted=accepted,
         rejected=rejected, resampled=resampled, bonus=bonus, spans=spans,
         text="".join(s.text for s in spans if s.kind != "rejected"), **seconds,
         new_tokens=_get(d, "new_tokens", int, where, lo=0, hi=MAX_SPANS), arms=tuple(_arm(a, where) for a in arms),
-        finished=finished, prefill_s=_get(d, "prefill_s", float, where, True, 0.0, MAX_SECONDS) or 0.0)
+        finished=finished, prefill_s=_get(d, "prefill_s", float, where, True, 0.0, MAX_SECONDS) or 0.0,
+        tree_nodes=len(tree.tokens) if tree else 0, drafted_tree=tree)
 
 
 def _record(d: dict, where: str) -> dict:
@@ -196,7 +223,8 @@ def load_document(text: str, source: str = "file") -> list[CompactRun]:
     if not isinstance(runs, list) or not 0 < len(runs) <= MAX_RUNS:
         raise BadRunFile(f"the file should hold 1 to {MAX_RUNS} runs")
     rounds = sum(len(r["events"]) for r in runs if isinstance(r, dict) and isinstance(r.get("events"), list))
-    spans = sum(len(e["spans"]) for r in runs if isinstance(r, dict) and isinstance(r.get("events"), list)
+    spans = sum(len(e["spans"]) + _tree_size(e)
+                for r in runs if isinstance(r, dict) and isinstance(r.get("events"), list)
                 for e in r["events"] if isinstance(e, dict) and isinstance(e.get("spans"), list))
     if rounds > MAX_ROUNDS or spans > MAX_SPANS:
         raise BadRunFile(f"the file holds {rounds:,} rounds and {spans:,} tokens; at most {MAX_ROUNDS:,} and "
@@ -205,6 +233,12 @@ def load_document(text: str, source: str = "file") -> list[CompactRun]:
     if len({r.name for r in out}) != len(out):
         raise BadRunFile("two runs of the file have the same name")
     return out
+
+
+def _tree_size(e: dict) -> int:
+    """A round's tree nodes as the file gives them (counted with the spans against MAX_SPANS; checked later)."""
+    tree = e.get("tree")
+    return len(tree["tokens"]) if isinstance(tree, dict) and isinstance(tree.get("tokens"), list) else 0
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ replay needs, loaded back by components.replay).
 
 The JSON export: {"format": "flashspec-runs", "version": 1, "runs": [{<runs-table row>, "prompt": str,
 "events": [<round>, ...]}]}, where a round is RoundEvent's fields with spans as [kind, id, text, p, q] and arms
-as [name, pulls, observations, mean, score] (score null = untried, +inf in the engine).
+as [name, pulls, observations, mean, score] (score null = untried, +inf in the engine), and "tree": null, or for a
+tree round its draft tree as {"tokens": [id, ...], "parents": [node or -1, ...], "accepted": [node, ...],
+"texts": [str, ...]} (RoundEvent.drafted_tree; its node count is tree_nodes).
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ import pandas as pd
 from components.compact import NamedByRecord
 from flashspec_core import RoundEvent
 
-COLUMNS = ("run", "leg", "when", "mode", "example", "pair", "models", "drafters", "bandit", "gamma", "temperature",
-           "top_p", "max_new_tokens", "seed", "backend", "new_tokens", "tok_per_s", "decode_tok_per_s",
+COLUMNS = ("run", "leg", "when", "mode", "example", "pair", "models", "drafters", "bandit", "gamma", "draft_shape",
+           "temperature", "top_p", "max_new_tokens", "seed", "backend", "new_tokens", "tok_per_s", "decode_tok_per_s",
            "acceptance", "tokens_per_forward", "target_forwards", "elapsed_s", "prefill_s", "speedup", "pulls",
            "finished")
 ROUNDED = {"tok_per_s": 2, "decode_tok_per_s": 2, "acceptance": 3, "tokens_per_forward": 3, "elapsed_s": 3,
@@ -66,6 +68,9 @@ def event_to_dict(e: RoundEvent) -> dict:
     d["accepted"], d["rejected"] = list(e.accepted), list(e.rejected)
     d["spans"] = [[s.kind, s.id, s.text, finite(s.p), finite(s.q)] for s in e.spans]
     d["arms"] = [[a.name, a.pulls, a.observations, finite(a.mean), finite(a.score)] for a in e.arms]
+    tree = e.drafted_tree
+    d["tree"] = None if tree is None else {"tokens": list(tree.tokens), "parents": list(tree.parents),
+                                           "accepted": list(tree.accepted), "texts": list(tree.texts)}
     return d
 
 

@@ -1,5 +1,5 @@
-"""The pickers (model pair, drafters, gamma, sampling, bandit strategy, kernel backend, and for an A/B race the
-mode of each leg), and the pure functions that turn their raw values into a `RunSettings` the engine
+"""The pickers (model pair, drafters, gamma, draft shape, sampling, bandit strategy, kernel backend, and for an A/B
+race the mode of each leg), and the pure functions that turn their raw values into a `RunSettings` the engine
 understands, or a short ValueError naming the bad value and the allowed ones.
 
 Values arrive raw (the run events skip gradio's preprocessing), so an API caller's NaN, string or 2**70 is
@@ -20,6 +20,7 @@ from flashspec_core.engine import DRAFT_HEAD
 from flashspec_core.checks import is_int, is_real, shown
 from flashspec_core.models import (EMBEDDED, EMBEDDED_HUB_ID, PUBLIC, LoadPolicy, embedded_package_present, parse_model_name,
                                    pick_device)
+from flashspec_core.tree_round import TreeSize
 from kernels import BACKENDS, resolve_backend, triton_available
 
 DEFAULT_PAIR = "embedded"
@@ -36,6 +37,10 @@ MAX_PROMPT_CHARS = 100_000
 SEED_MAX = (1 << 64) - 1
 LEGS = ("a", "b")  # the two configurations of a race; component names carry the prefix "a_" / "b_"
 LEG_DEFAULT_MODES = {"a": "plain", "b": "speculative"}  # the one-click default: plain against speculative
+CHAIN = "chain"
+# What the draft head drafts each round it is pulled: a chain of K, or a tree it verifies in one target forward
+# (TreeSize(depth, top_k, size): levels, children per expanded node, nodes kept). Other drafters draft chains.
+DRAFT_SHAPES = {CHAIN: None, "tree 8": TreeSize(4, 2, 8), "tree 16": TreeSize(6, 4, 16), "tree 32": TreeSize(6, 4, 32)}
 
 
 def role_of(entry: str) -> str:
@@ -80,12 +85,25 @@ class RunSettings:
     bandit: str  # one of STRATEGIES
     backend: str  # as picked: "torch" | "triton" | "auto"
     mode: str = "speculative"  # or "plain" (one token a round, no drafter)
+    shape: str = CHAIN  # a key of DRAFT_SHAPES: what the draft head drafts
+
+    @property
+    def tree(self) -> TreeSize | None:
+        """The draft head's tree size for the engine (None: chains)."""
+        return DRAFT_SHAPES[self.shape]
+
+    @property
+    def shape_label(self) -> str:
+        """'chain', or e.g. 'tree 16 (depth 6, top-k 4)'."""
+        tree = self.tree
+        return self.shape if tree is None else f"{self.shape} (depth {tree.depth}, top-k {tree.top_k})"
 
     def record(self) -> dict:
         """The settings as flat columns of the runs table."""
         plain = self.mode == "plain"
         return {"pair": self.pair.name, "models": self.pair.label, "drafters": "" if plain else "+".join(self.roles),
-                "gamma": "" if plain else str(self.gamma), "temperature": self.sampling.temperature,
+                "gamma": "" if plain else str(self.gamma), "draft_shape": "" if plain else self.shape_label,
+                "temperature": self.sampling.temperature,
                 "top_p": self.sampling.top_p, "max_new_tokens": self.max_new_tokens, "seed": self.seed,
                 "bandit": "" if plain else self.bandit, "backend": self.backend}
 
@@ -95,7 +113,8 @@ class RunSettings:
             return f"plain decoding · {self.pair.title} · {self.backend}"
         drafters = " + ".join(role_label(r) for r in self.roles)
         gamma = "auto" if self.gamma == "auto" else f"γ {self.gamma}"
-        return f"speculative · {self.pair.title} · {drafters} · {gamma} · {self.bandit} · {self.backend}"
+        shape = "" if self.tree is None else f" · {self.shape_label}"
+        return f"speculative · {self.pair.title} · {drafters} · {gamma}{shape} · {self.bandit} · {self.backend}"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -227,12 +246,22 @@ def parse_gamma(auto, value) -> int | str:
     return number("gamma", value, 1, MAX_UI_GAMMA, integer=True)
 
 
+def parse_shape(shape, roles: tuple[str, ...]) -> str:
+    """A key of DRAFT_SHAPES; a tree needs the draft head among the chosen drafters (only it drafts trees)."""
+    shape = one_of("draft shape", shape, DRAFT_SHAPES)
+    if DRAFT_SHAPES[shape] is not None and DRAFT_HEAD not in roles:
+        raise ValueError(f"draft shape {shape!r} needs the draft head among the drafters (only it drafts trees); "
+                         f"tick it, or pick {CHAIN!r}")
+    return shape
+
+
 def parse_settings(pair, target, draft, roles, gamma_auto, gamma, temperature, top_p, max_new_tokens, seed,
-                   bandit, backend, mode="speculative", policy: LoadPolicy = PUBLIC) -> RunSettings:
+                   bandit, backend, mode="speculative", shape=CHAIN, policy: LoadPolicy = PUBLIC) -> RunSettings:
     """Raw picker values -> RunSettings. Raises ValueError naming the bad value and the allowed ones."""
     mode = one_of("mode", mode, MODES)
     spec = resolve_pair(pair, target, draft, policy)
     chosen = parse_roles(spec, roles) if mode == "speculative" else tuple(spec.roles())
+    shape = parse_shape(shape, chosen) if mode == "speculative" else CHAIN
     bandit = one_of("bandit strategy", bandit, STRATEGIES)
     backend = one_of("backend", backend, BACKENDS)
     gamma = parse_gamma(gamma_auto, gamma) if mode == "speculative" else 0
@@ -240,7 +269,7 @@ def parse_settings(pair, target, draft, roles, gamma_auto, gamma, temperature, t
     seed = number("seed", seed, 0, SEED_MAX, integer=True)
     temperature = float32("temperature", number("temperature", temperature, 0.0, MAX_TEMPERATURE))
     sampling = SamplingConfig(temperature=temperature, top_p=float32("top_p", number("top_p", top_p, 0.0, 1.0)))
-    return RunSettings(spec, chosen, gamma, sampling, max_new_tokens, seed, bandit, backend, mode)
+    return RunSettings(spec, chosen, gamma, sampling, max_new_tokens, seed, bandit, backend, mode, shape)
 
 
 def parse_leg(leg: str, values: dict, policy: LoadPolicy = PUBLIC) -> RunSettings:
@@ -291,6 +320,9 @@ def build_decoding_pickers(prefix: str = "") -> dict[str, gr.components.Componen
                                         elem_id=eid + "gamma")
         c[prefix + "gamma_auto"] = gr.Checkbox(value=True, label="Auto gamma", elem_id=eid + "gamma-auto",
                                                info="Per drafter, from its acceptance and measured costs.")
+    c[prefix + "shape"] = gr.Radio(list(DRAFT_SHAPES), value=CHAIN, label="Draft shape", elem_id=eid + "shape",
+                                   info="What the draft head drafts: a chain, or a tree of that many nodes whose "
+                                        "branches the target checks in one forward (hover a round to see them).")
     with gr.Row():
         c[prefix + "bandit"] = gr.Radio(list(STRATEGIES), value="ucb1", label="Bandit strategy", elem_id=eid + "bandit")
         c[prefix + "backend"] = gr.Radio(backend_choices(), value="auto", label="Kernel backend",
@@ -331,7 +363,7 @@ def build_leg(leg: str) -> dict[str, gr.components.Component]:
 
 
 SAMPLING_NAMES = ("temperature", "top_p", "max_new_tokens", "seed")
-LEG_NAMES = ("mode", "pair", "target", "draft", "roles", "gamma_auto", "gamma", "bandit", "backend")
+LEG_NAMES = ("mode", "pair", "target", "draft", "roles", "gamma_auto", "gamma", "shape", "bandit", "backend")
 SETTING_NAMES = ("pair", "target", "draft", "roles", "gamma_auto", "gamma", "temperature", "top_p",
-                 "max_new_tokens", "seed", "bandit", "backend")  # parse_settings' picker arguments, in order
+                 "max_new_tokens", "seed", "bandit", "backend", "shape")  # parse_settings' picker arguments
 RACE_SETTING_NAMES = SAMPLING_NAMES + tuple(f"{leg}_{name}" for leg in LEGS for name in LEG_NAMES)

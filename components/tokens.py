@@ -4,16 +4,19 @@ Each token kind has its own class (`tok-accepted`, `tok-rejected`, `tok-resample
 colours in assets/app.css). The latest round's rejected drafts are shown struck through; they are dropped
 once the next round arrives. Whitespace is kept verbatim: the container is `white-space: pre-wrap`.
 Special tokens (e.g. the end-of-turn `<|im_end|>`) are drawn as a small marker (CSS, from `data-marker`), not
-as text, so copying the text does not copy them.
+as text, so copying the text does not copy them. A tree round's tokens (`tok-tree`) add its whole draft tree to
+their hover text: every branch the target checked in that round's one forward, the accepted path marked.
 """
 from __future__ import annotations
 
 import html
+import json
 import re
 
 import gradio as gr
 
 from flashspec_core import RoundEvent, TokenSpan
+from flashspec_core.stream import DraftedTree
 
 KINDS = ("accepted", "rejected", "resampled", "bonus", "plain")
 KIND_LABELS = {
@@ -35,20 +38,52 @@ def special_marker(text: str) -> str | None:
     return "end" if END_OF_TURN.fullmatch(text) else text.strip("<|>/")
 
 
-def span_html(span: TokenSpan, drafter: str) -> str:
-    """One token as a span whose title gives its drafter, p and q; a special token as an empty marked span."""
+def span_html(span: TokenSpan, drafter: str, tree: str = "") -> str:
+    """One token as a span whose title gives its drafter, p and q (and `tree`, a tree round's branches, as text);
+    a special token as an empty marked span."""
     q = "" if span.q is None else f" · q = {span.q:.3f}"
     marker = special_marker(span.text)
     token = f"\ntoken {span.text}" if marker else ""
-    title = html.escape(f"{KIND_LABELS[span.kind]} · drafter: {drafter}\np = {span.p:.3f}{q}{token}").replace("\n", "&#10;")
+    title = f"{KIND_LABELS[span.kind]} · drafter: {drafter}\np = {span.p:.3f}{q}{token}"
+    title = html.escape(title + (f"\n\n{tree}" if tree else "")).replace("\n", "&#10;")
+    classes = f"tok tok-{span.kind}" + (" tok-tree" if tree else "")
     if marker:
-        return f'<span class="tok tok-{span.kind} tok-special" title="{title}" data-marker="{html.escape(marker)}"></span>'
-    return f'<span class="tok tok-{span.kind}" title="{title}">{html.escape(span.text)}</span>'
+        return f'<span class="{classes} tok-special" title="{title}" data-marker="{html.escape(marker)}"></span>'
+    return f'<span class="{classes}" title="{title}">{html.escape(span.text)}</span>'
+
+
+def tree_text(tree: DraftedTree) -> str:
+    """A draft tree as indented lines, depth first in the order verification tried the siblings: ✓ marks the
+    accepted path, ✗ a node the round dropped (a rejected branch, or one below it). Plain text (escape it)."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(tree.parents):
+        children.setdefault(parent, []).append(i)
+    accepted, lines = set(tree.accepted), []
+
+    def walk(node: int, depth: int) -> None:
+        for child in children.get(node, ()):
+            piece = tree.texts[child] if child < len(tree.texts) else ""
+            mark = "✓" if child in accepted else "✗"
+            lines.append(f"{'  ' * depth}{mark} {shown_piece(piece, tree.tokens[child])}")
+            walk(child, depth + 1)
+
+    walk(-1, 0)
+    n, kept = len(tree.tokens), len(tree.accepted)
+    head = f"draft tree: {n} nodes, {kept} accepted (✓), {n - kept} dropped (✗)"
+    return "\n".join([head, *lines])
+
+
+def shown_piece(text: str, token: int) -> str:
+    """A token's text on one line, quoted so that spaces show (its id when it has no text)."""
+    if not text:
+        return f"#{token}"
+    return json.dumps(text, ensure_ascii=False)
 
 
 def round_html(event: RoundEvent, show_rejected: bool) -> str:
     """The spans of one round in display order: accepted, [rejected], then the resampled/bonus/plain token."""
-    return "".join(span_html(s, event.drafter) for s in event.spans if show_rejected or s.kind != "rejected")
+    tree = tree_text(event.drafted_tree) if event.drafted_tree is not None else ""
+    return "".join(span_html(s, event.drafter, tree) for s in event.spans if show_rejected or s.kind != "rejected")
 
 
 def tokens_html(events: list[RoundEvent], live: bool = True, keep_rejected: bool = False) -> str:
@@ -76,7 +111,8 @@ def replay_page(groups: str, skipped_rounds: int = 0, skipped_tokens: int = 0, d
 
 def legend_html() -> str:
     items = "".join(f'<span class="tok tok-{k}">{html.escape(KIND_LABELS[k])}</span>' for k in KINDS)
-    return f'<div class="fs-legend">{items}<span class="fs-hint">hover a token for its drafter, p and q</span></div>'
+    hint = "hover a token for its drafter, p and q; a dotted one also for its round's draft tree"
+    return f'<div class="fs-legend">{items}<span class="fs-hint">{html.escape(hint)}</span></div>'
 
 
 def stats_markdown(stats: dict, live: bool = False) -> str:

@@ -5,8 +5,9 @@ Python only; the tokenizer is the one outside object it calls.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
-from flashspec_core.stream import Played, RoundEvent, StreamState, TokenSpan
+from flashspec_core.stream import DraftedTree, Played, RoundEvent, StreamState, TokenSpan
 
 
 class EventBuilder:
@@ -47,7 +48,28 @@ class EventBuilder:
                           draft_s=out.draft_s, verify_s=out.verify_s, round_s=out.draft_s + out.verify_s,
                           elapsed_s=time.perf_counter() - s.t_start, new_tokens=s.produced,
                           arms=s.bandit.state() if s.bandit else (), finished=finished, prefill_s=s.prefill_s,
-                          device_s=out.device_s, tree_nodes=out.tree[0] if out.tree else 0)
+                          device_s=out.device_s, tree_nodes=out.tree[0] if out.tree else 0,
+                          drafted_tree=self.tree(played.before, out.drafted_tree, len(accepted)))
+
+    def tree(self, before: list[int], tree: DraftedTree | None, n: int) -> DraftedTree | None:
+        """A tree round's tree with each node's text (decoded after its ancestors), its accepted path cut to the n
+        drafts the event emits (an end of turn or the length can stop a stream inside the path)."""
+        if tree is None:
+            return None
+        return replace(tree, accepted=tree.accepted[:n], texts=tuple(self.node_texts(before[-4:], tree)))
+
+    def node_texts(self, tail: list[int], tree: DraftedTree) -> list[str]:
+        """Each node's decoded piece after the context tail and its ancestors ("" without a tokenizer)."""
+        if self.tokenizer is None:
+            return [""] * len(tree.tokens)
+        root = self.tokenizer.decode(tail)
+        prefixes, decoded, out = [], [], []  # per node: its ids from the tail on, and their text
+        for t, parent in zip(tree.tokens, tree.parents):
+            base, prev = (tail, root) if parent < 0 else (prefixes[parent], decoded[parent])
+            prefixes.append(base + [t])
+            decoded.append(self.tokenizer.decode(prefixes[-1]))
+            out.append(decoded[-1][len(prev):] if decoded[-1].startswith(prev) else self.tokenizer.decode([t]))
+        return out
 
     def pieces(self, before: list[int], accepted: list[int], rejected: list[int], final: list[int]) -> list[str]:
         """Decoded text of each display token, each decoded after the accepted prefix it follows."""

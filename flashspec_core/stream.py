@@ -23,6 +23,16 @@ class TokenSpan:
 
 
 @dataclass(frozen=True)
+class DraftedTree:
+    """Row 0's draft tree of a tree round, for display: nodes in the order verification tried them (a parent before
+    its children), with the path it accepted."""
+    tokens: tuple[int, ...]  # [N] each node's drafted token id
+    parents: tuple[int, ...]  # [N] each node's parent node, -1 for the pending token (the root)
+    accepted: tuple[int, ...]  # the accepted path's nodes, the root's child first (cut where the stream stopped)
+    texts: tuple[str, ...] = ()  # [N] each node's decoded piece after its ancestors (events.py; empty before)
+
+
+@dataclass(frozen=True)
 class RoundEvent:
     index: int  # round number, from 0
     mode: str  # "speculative" | "plain"
@@ -44,6 +54,8 @@ class RoundEvent:
     prefill_s: float = 0.0  # the stream's prefill (the same on every event), included in elapsed_s
     device_s: float | None = None  # CUDA: GPU time of the round's launched work after drafting (RoundOutput's)
     tree_nodes: int = 0  # a tree round: the draft tree's nodes verified in its one target forward (0: a chain)
+    drafted_tree: DraftedTree | None = None  # a tree round: row 0's draft tree with texts (the spans show its
+    # accepted path and the children tried where the walk stopped; the tree has every branch); None for a chain
 
     @property
     def emitted(self) -> tuple[int, ...]:
@@ -74,6 +86,7 @@ class RoundOutput:
     # token at the pre-round context (what it would have drafted first), for its counterfactual score
     device_s: float | None = None  # CUDA: the GPU's time from the end of drafting to the end of the round's launch
     tree: tuple[int, int] | None = None  # a tree round's (nodes verified, depth); None for a chain
+    drafted_tree: DraftedTree | None = None  # a tree round: row 0's draft tree and accepted path; None for a chain
 
 
 @dataclass(frozen=True)

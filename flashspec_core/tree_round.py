@@ -8,7 +8,8 @@ besides the one the head's drafting makes for the tree's shape (`DraftHeadDrafte
 
 Rows advance together by the shortest accepted path plus one, as in the chain round. The RoundOutput reads as a
 chain: `draft` is row 0's accepted path, then the children of the node where its walk stopped (every one of them
-was tried and rejected), so events show the accepted path and the branches that failed at its end.
+was tried and rejected), so events show the accepted path and the branches that failed at its end; beside it,
+`drafted_tree` keeps row 0's whole tree (every node's token and parent, and the accepted path) for display.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from flashspec_core.drafters import DraftHeadDrafter
 from flashspec_core.gamma import MAX_GAMMA
 from flashspec_core.round import RoundTimer
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
-from flashspec_core.stream import RoundOutput
+from flashspec_core.stream import DraftedTree, RoundOutput
 from kernels import verify_tree
 
 
@@ -74,7 +75,8 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
 
 
 def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, guessers, timer) -> RoundOutput:
-    """Row 0's round as a chain for events: its accepted path, then the stop node's children (all rejected)."""
+    """Row 0's round as a chain for events: its accepted path, then the stop node's children (all rejected); and its
+    whole tree, for a view of every branch."""
     n = counts[0]
     stop = path[n - 1] + 1 if n else 0  # the stop node's slot (0 = the root)
     shown = path[:n] + list(tree.children[stop])  # node indices: the accepted path, then the children tried
@@ -84,7 +86,8 @@ def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, gues
     draft_s, verify_s, device_s = timer.done()
     return RoundOutput(counts, [t + [-1] * (K + 1 - len(t)) for t in tokens], draft, p, [1.0] * K, draft_s,
                        verify_s, {name: int(g) for name, g in zip(guessers, guess_row)}, device_s,
-                       tree=(tree.N, tree.max_depth))
+                       tree=(tree.N, tree.max_depth),
+                       drafted_tree=DraftedTree(tuple(nodes), tree.parents, tuple(path[:n])))
 
 
 def pack_tree(result, p: torch.Tensor, drafted: torch.Tensor, guesses: list[torch.Tensor], tree) -> torch.Tensor:

@@ -26,7 +26,8 @@ from tests.served_app import ROOT, app_env, rss_mb, served_app
 
 ARTIFACTS = ROOT / "tests" / "artifacts"
 SETTINGS = dict(pair="embedded", target="", draft="", roles=["prompt_lookup", "ngram_cache"], gamma_auto=False,
-                gamma=4, temperature=0.0, top_p=1.0, max_new_tokens=12, seed=0, bandit="ucb1", backend="auto")
+                gamma=4, temperature=0.0, top_p=1.0, max_new_tokens=12, seed=0, bandit="ucb1", backend="auto",
+                shape="chain")
 PROMPT = "Repeat exactly: the cat sat on the mat. the cat sat on the mat."
 CLIENT_OUTPUTS = [n for n in app.STREAM_OUTPUTS if n not in ("state", "tabs")]  # gradio_client leaves these out
 
@@ -315,7 +316,7 @@ def test_embedded_typed_as_a_custom_target_is_the_one_embedded_model(server, bas
 
 
 LEG = dict(mode="speculative", pair="embedded", target="", draft="", roles=["prompt_lookup"], gamma_auto=False, gamma=4,
-           bandit="ucb1", backend="auto")
+           bandit="ucb1", backend="auto", shape="chain")
 
 
 @pytest.mark.parametrize("leg", [LEG, {**LEG, "roles": ["draft_head", "prompt_lookup", "ngram_cache"], "gamma_auto": True}],

@@ -282,3 +282,24 @@ def test_a_closed_tab_takes_its_files_with_it(page, served):
         page.wait_for_timeout(250)
     assert not (root / mine).exists()
     assert before <= {p.name for p in root.iterdir()}  # the open tab keeps its files
+
+
+def test_a_tree_run_shows_each_rounds_branches_live_and_in_replay(page):
+    """Last in the module: the draft head alone, drafting trees of 16; a tree round's tokens carry its tree."""
+    page.get_by_role("tab", name="Stream").click()
+    for role in ("prompt lookup", "n-gram cache"):
+        page.locator("#roles").get_by_label(role).uncheck()
+    page.locator("#shape").get_by_label("tree 16").check()
+    set_max_tokens(page, 32)
+    assert "tok/s" in click_and_wait(page, "Run", "Done")
+    titles = page.locator("#tokens .tok-tree").evaluate_all("es => es.map(e => e.title)")
+    assert titles and all("drafter: draft_head" in t and "draft tree: " in t and "✗ " in t for t in titles)
+    assert any("✓ " in t for t in titles)  # some round accepted a path, and every round dropped branches
+    page.screenshot(path=str(ARTIFACTS / "tree.png"), full_page=True)
+    page.get_by_role("tab", name="Runs").click()
+    assert "tree 16 (depth 6, top-k 4)" in page.get_by_role("grid", name="Runs in this session").inner_text()
+    page.get_by_role("tab", name="Replay").click()  # the new run is the one picked
+    set_number(page, "replay-speed", 1)
+    page.get_by_role("button", name="Play", exact=True).click()
+    page.wait_for_function("document.querySelector('#replay-position').innerText.includes('(end)')")
+    assert "draft tree: " in page.locator("#replay-tokens .tok-tree").first.get_attribute("title")

@@ -96,7 +96,8 @@ ZERO_GPU = textwrap.dedent('''
     engine_cache.preload(resolve_pair(DEFAULT_PAIR), warm=False)  # as app.main does on ZeroGPU: no forward here
     state = Session()
     values = dict(pair="embedded", target="", draft="", roles=["prompt_lookup", "ngram_cache"], gamma_auto=False,
-                  gamma=4, temperature=0.0, top_p=1.0, max_new_tokens=12, seed=0, bandit="ucb1", backend="auto")
+                  gamma=4, temperature=0.0, top_p=1.0, max_new_tokens=12, seed=0, bandit="ucb1", backend="auto",
+                  shape="chain")
     with gr.Blocks() as demo:  # the app's own wiring: what gradio calls for the Run button
         ui = app.layout()
         app.wire_events(ui, zero_gpu=True)

@@ -1,9 +1,11 @@
 """Hand-made round events for the formatter tests (a module of its own, so tests can import it by name)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from flashspec_core import ArmState, RoundEvent, TokenSpan
+from flashspec_core.stream import DraftedTree
 
 ARMS = ("prompt_lookup", "ngram_cache", "no_draft")
 
@@ -29,3 +31,16 @@ def make_event(index, drafter="prompt_lookup", accepted=("a",), rejected=(), las
         elapsed_s=elapsed if elapsed is not None else 0.05 + 0.011 * (index + 1),
         new_tokens=new_tokens if new_tokens is not None else (index + 1) * (n_acc + (last is not None)),
         arms=arms, finished=finished)
+
+
+# a tree round's tree: " the" (id 10) accepted, then " cat" (20, tried and rejected) and its child "\n" (22); and
+# '<b onmouseover="x">' (21), a rejected branch at the root
+TREE = DraftedTree(tokens=(10, 20, 21, 22), parents=(-1, 0, -1, 1), accepted=(0,),
+                   texts=(" the", " cat", '<b onmouseover="x">', "\n"))
+
+
+def make_tree_event(index, **kwargs) -> RoundEvent:
+    """A draft head's tree round whose spans agree with TREE: " the" accepted, " cat" rejected, " dog" resampled."""
+    event = make_event(index, "draft_head", accepted=(" the",), rejected=(" cat",), last=("resampled", " dog"),
+                       **kwargs)
+    return dataclasses.replace(event, drafted_tree=TREE, tree_nodes=len(TREE.tokens))

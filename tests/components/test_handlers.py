@@ -11,10 +11,12 @@ from components import handlers
 from components.handlers import (error_message, pick_example, pick_pair, pick_pair_b, run_race, run_stream,
                                  show_rejected)
 from components.session import Session
+from components.settings import DRAFT_SHAPES, parse_settings
 from flashspec_core import ModelUnavailableError
 
 SETTINGS = dict(pair="embedded", target="", draft="", roles=["prompt_lookup", "ngram_cache"], gamma_auto=False,
-                gamma=4, temperature=0.0, top_p=1.0, max_new_tokens=16, seed=0, bandit="ucb1", backend="auto")
+                gamma=4, temperature=0.0, top_p=1.0, max_new_tokens=16, seed=0, bandit="ucb1", backend="auto",
+                shape="chain")
 LEG = {k: v for k, v in SETTINGS.items() if k not in ("temperature", "top_p", "max_new_tokens", "seed")}
 RACE = dict(temperature=0.0, top_p=1.0, max_new_tokens=16, seed=0, **{f"a_{k}": v for k, v in LEG.items()},
             **{f"b_{k}": v for k, v in LEG.items()}, a_mode="plain", b_mode="speculative")
@@ -61,6 +63,9 @@ def test_errors_reach_the_status_line_and_the_next_run_works(embedded_slot, monk
              (PROMPT, {"pair": "custom", "target": "nobody/no-such-model"}, "Model unavailable"),
              ("word " * 9000, {}, "exceeds the model's context window"),
              (PROMPT, {"roles": []}, "choose at least one drafter"),
+             (PROMPT, {"shape": "tree 99"}, "unknown draft shape 'tree 99'; expected one of ['chain', 'tree 8'"),
+             (PROMPT, {"shape": {"depth": 40}}, "unknown draft shape {'depth': 40}"),
+             (PROMPT, {"shape": "tree 8"}, "draft shape 'tree 8' needs the draft head among the drafters"),
              (PROMPT, {"temperature": float("nan")}, "temperature must be a number in 0.0..2.0, got nan"),
              (PROMPT, {"temperature": float("inf")}, "temperature must be a number in 0.0..2.0, got inf"),
              (PROMPT, {"seed": 2**70}, "seed must be an integer in 0..18446744073709551615"),
@@ -112,6 +117,47 @@ def test_race_runs_a_then_b_plain_against_speculative_by_default(embedded_slot):
     assert rows[0]["drafters"] == "" and rows[1]["drafters"] == "prompt_lookup+ngram_cache"
     assert [t.name for t in last["race_plot"].data] == ["A · plain", "B · speculative"]
     assert [name for _, name in state.choices()] == ["race 1 · B", "race 1 · A"]
+
+
+def test_open_stream_passes_the_draft_shape_to_the_engine():
+    seen = []
+
+    class Engine:
+        drafters = {"draft_head": None, "prompt_lookup": None, "ngram_cache": None, "no_draft": None}
+
+        def reset_session(self):
+            pass
+
+        def stream(self, prompt, **kwargs):
+            seen.append(kwargs)
+            return iter(())
+
+    slot = type("Slot", (), {"engine": Engine()})()
+    for shape, mode in (("tree 16", "speculative"), ("chain", "speculative"), ("tree 16", "plain")):
+        settings = parse_settings(**{**SETTINGS, "roles": ["draft_head"], "shape": shape}, mode=mode)
+        handlers.open_stream(slot, PROMPT, settings)
+    assert [kw["tree"] for kw in seen] == [DRAFT_SHAPES["tree 16"], None, None]
+    assert seen[0]["drafters"] == ["draft_head"]
+
+
+def test_a_tree_run_shows_its_trees_and_names_its_shape(embedded_slot):
+    state = Session()
+    _, last = drain(run_stream(state, PROMPT, **{**SETTINGS, "roles": ["draft_head"], "shape": "tree 8"}))
+    assert last["status"].startswith("Done (run 1)"), last["status"]
+    trees = [e for e in state.runs[0].events if e.drafted_tree is not None]
+    assert trees and all(0 < e.tree_nodes <= 8 for e in trees)
+    assert "tok-tree" in last["tokens"] and "draft tree: " in last["tokens"]
+    assert state.runs[0].record["draft_shape"] == "tree 8 (depth 4, top-k 2)"
+    assert list(last["runs_table"]["draft_shape"]) == ["tree 8 (depth 4, top-k 2)"]
+
+
+def test_a_race_names_the_tree_size(embedded_slot):
+    state = Session()
+    change = dict(a_mode="speculative", b_roles=["draft_head"], b_shape="tree 8")
+    _, last = drain(run_race(state, PROMPT, **{**RACE, **change}))
+    assert "· draft head · γ 4 · tree 8 (depth 4, top-k 2) · ucb1" in last["b_title"]
+    assert "tree" not in last["a_title"]
+    assert [r.record["draft_shape"] for r in state.runs] == ["chain", "tree 8 (depth 4, top-k 2)"]
 
 
 def test_race_of_two_speculative_configurations(embedded_slot):

@@ -4,10 +4,12 @@ import dataclasses
 import json
 
 import pytest
-from fake_events import make_event
+from fake_events import TREE, make_event, make_tree_event
 
+from components.compact import compact
 from components.replay import MAX_ROUND_WAIT_S, BadRunFile, load_document, play_times, position
 from components.runs import Run, export_document, run_record
+from components.tokens import round_group
 
 SETTINGS = {"pair": "embedded", "models": "embedded", "drafters": "prompt_lookup", "gamma": "4", "temperature": 0.0,
             "top_p": 1.0, "max_new_tokens": 16, "seed": 0, "bandit": "ucb1", "backend": "auto"}
@@ -99,6 +101,61 @@ def set_span(doc, field, value):
 def set_record(doc, key, value):
     doc["runs"][0][key] = value
     return doc
+
+
+def test_a_tree_round_exports_and_replays_with_its_tree(events):
+    rounds = consistent([make_tree_event(0), events[1], make_tree_event(2, finished="length")])
+    (run,) = load_document(exported(rounds))
+    assert run.events(range(len(run))) == rounds  # the trees too (tokens, parents, path, texts)
+    assert compact({}, "", rounds).events(range(len(rounds))) == rounds  # a session's own runs alike
+    assert run.event(0).drafted_tree == TREE and run.event(1).drafted_tree is None and run.event(0).tree_nodes == 4
+    assert run.event(0, spans=False).drafted_tree is None  # the bandit figure's cheap events leave it out
+    group = round_group(run.event(0))
+    assert "draft tree: 4 nodes" in group and "&lt;b onmouseover=" in group and "<b " not in group
+
+
+def tree_doc(**change) -> dict:
+    doc = json.loads(exported([make_tree_event(0)]))
+    doc["runs"][0]["events"][0]["tree"].update(change)
+    return doc
+
+
+@pytest.mark.parametrize("doc, reason", [
+    (set_event(tree_doc(), "tree", [1, 2]), "'tree' should be null or an object of lists"),
+    (set_event(tree_doc(), "tree", {"tokens": [10]}), "'tree' should be null or an object of lists"),
+    (set_event(tree_doc(), "tree", {**TREE.__dict__, "extra": []}), "'tree' should be null or an object of lists"),
+    (tree_doc(tokens="abc"), "'tree' should be null or an object of lists"),
+    (tree_doc(tokens=[]), "not a draft tree"),
+    (tree_doc(tokens=[10, 20, 21, 22] * 9, parents=[-1] * 36, texts=[""] * 36), "not a draft tree"),
+    (tree_doc(tokens=[10, 20, -1, 22]), "not a draft tree"),
+    (tree_doc(tokens=[10, 20, 2**40, 22]), "not a draft tree"),
+    (tree_doc(tokens=[10, 20, True, 22]), "not a draft tree"),
+    (tree_doc(parents=[-1, 0, -1, 3]), "not a draft tree"),  # a node its own parent
+    (tree_doc(parents=[-1, 2, -1, 1]), "not a draft tree"),  # a parent after its child
+    (tree_doc(parents=[-2, 0, -1, 1]), "not a draft tree"),
+    (tree_doc(parents=[-1, 0, -1]), "not a draft tree"),
+    (tree_doc(parents=[-1, 0.0, -1, 1]), "not a draft tree"),
+    (tree_doc(accepted=[2]), "not a draft tree"),  # its token is not the accepted id
+    (tree_doc(accepted=[1]), "not a draft tree"),  # not a path from the root
+    (tree_doc(accepted=[0, 0]), "not a draft tree"),
+    (tree_doc(accepted=[4]), "not a draft tree"),
+    (tree_doc(accepted=[None]), "not a draft tree"),
+    (tree_doc(accepted=[]), "not a draft tree"),  # the round accepted " the"
+    (tree_doc(texts=[" the", " cat", 5, "\n"]), "a tree node's text should be text of at most 200 characters"),
+    (tree_doc(texts=[" the", " cat", "x" * 201, "\n"]), "at most 200 characters"),
+    (tree_doc(texts=[" the", "\udc00", "", ""]), r"lone surrogate \(U\+DC00\)"),
+])
+def test_hostile_trees_are_refused(doc, reason):
+    with pytest.raises(BadRunFile, match=reason):
+        load_document(json.dumps(doc))
+
+
+def test_a_file_without_trees_still_loads(events):
+    doc = json.loads(exported(events))
+    for e in doc["runs"][0]["events"]:
+        del e["tree"]  # files exported before trees were
+    (run,) = load_document(json.dumps(doc))
+    assert run.events(range(len(run))) == consistent(events)
 
 
 def test_deep_nesting_is_a_clear_refusal():

@@ -1,14 +1,14 @@
 import pytest
 import torch
 
-from components.settings import (CUSTOM, DRAFT_MODEL, MAX_UI_GAMMA, PairSpec, arm_names, backend_choices,
+from components.settings import (CUSTOM, DRAFT_MODEL, DRAFT_SHAPES, MAX_UI_GAMMA, PairSpec, arm_names, backend_choices,
                                  pair_choices, parse_gamma, parse_leg, parse_settings, resolve_pair, role_choices)
 from flashspec_core import PRESETS
 from flashspec_core.models import LoadPolicy
 from kernels import triton_available
 
 GOOD = dict(pair="embedded", target="", draft="", roles=["prompt_lookup", "ngram_cache"], gamma_auto=False, gamma=4,
-            temperature=0.0, top_p=1.0, max_new_tokens=16, seed=0, bandit="ucb1", backend="auto")
+            temperature=0.0, top_p=1.0, max_new_tokens=16, seed=0, bandit="ucb1", backend="auto", shape="chain")
 
 
 def test_pairs_are_the_presets_embedded_first_then_custom():
@@ -134,3 +134,29 @@ def test_folders_are_checked_against_the_policy(tmp_path):
     assert resolve_pair(CUSTOM, str(tmp_path / "m"), policy=allowed).target == str(tmp_path / "m")
     with pytest.raises(ValueError, match="local model folders are off"):
         resolve_pair(CUSTOM, str(tmp_path / "m"))
+
+
+def test_draft_shape_chain_or_a_tree_for_the_draft_head():
+    chain = parse_settings(**GOOD)
+    assert chain.tree is None and chain.record()["draft_shape"] == "chain" and "tree" not in chain.describe()
+    tree = parse_settings(**{**GOOD, "roles": ["draft_head", "prompt_lookup"], "shape": "tree 16"})
+    assert tree.tree == DRAFT_SHAPES["tree 16"] and tree.tree.size == 16
+    assert tree.record()["draft_shape"] == "tree 16 (depth 6, top-k 4)"
+    assert "· tree 16 (depth 6, top-k 4) ·" in tree.describe()
+    plain = parse_settings(**{**GOOD, "shape": "tree 8"}, mode="plain")  # plain mode drafts nothing: no shape
+    assert plain.tree is None and plain.record()["draft_shape"] == ""
+
+
+@pytest.mark.parametrize("shape, message", [
+    ("tree 9", "unknown draft shape 'tree 9'; expected one of \\['chain', 'tree 8', 'tree 16', 'tree 32'\\]"),
+    (None, "unknown draft shape None"), (16, "unknown draft shape 16"), (["tree 8"], "unknown draft shape"),
+    ("x" * 10_000, "unknown draft shape 'xxx"),
+])
+def test_bad_draft_shapes_are_refused(shape, message):
+    with pytest.raises(ValueError, match=message):
+        parse_settings(**{**GOOD, "roles": ["draft_head"], "shape": shape})
+
+
+def test_a_tree_needs_the_draft_head():
+    with pytest.raises(ValueError, match="draft shape 'tree 8' needs the draft head among the drafters"):
+        parse_settings(**{**GOOD, "shape": "tree 8"})  # prompt lookup and the n-gram cache draft chains only

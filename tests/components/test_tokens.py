@@ -1,9 +1,10 @@
 import re
 
-from fake_events import make_event
+from fake_events import TREE, make_event, make_tree_event
 
-from components.tokens import KINDS, legend_html, span_html, stats_markdown, tokens_html
+from components.tokens import KINDS, legend_html, span_html, stats_markdown, tokens_html, tree_text
 from flashspec_core import TokenSpan
+from flashspec_core.stream import DraftedTree
 
 
 def test_span_escapes_text_and_keeps_whitespace():
@@ -76,3 +77,23 @@ def test_end_of_turn_tokens_are_a_marker_not_text():
         assert f'data-marker="{marker}"' in span_html(TokenSpan("accepted", 1, text, 0.5, 1.0), "d")
     for text in ("<b>", "<|", "a <|im_end|>", "|>", "<s >"):
         assert "tok-special" not in span_html(TokenSpan("accepted", 1, text, 0.5, 1.0), "d"), text
+
+
+def test_a_tree_rounds_tokens_show_its_branches_escaped():
+    out = tokens_html([make_tree_event(0), make_event(1)], live=False)
+    assert out.count("tok-tree") == 2 and "tok-rejected" not in out  # the round's two shown tokens, not round 1's
+    title = re.search(r'class="tok tok-accepted tok-tree" title="([^"]*)"', out).group(1)
+    assert "draft tree: 4 nodes, 1 accepted (✓), 3 dropped (✗)" in title
+    assert "✓ &quot; the&quot;&#10;  ✗ &quot; cat&quot;&#10;    ✗ &quot;\\n&quot;" in title  # nested, a newline as \\n
+    assert "✗ &quot;&lt;b onmouseover=\\&quot;x\\&quot;&gt;&quot;" in title  # escaped: no markup from a token
+    assert "<b " not in out and 'onmouseover="' not in out
+
+
+def test_tree_text_marks_the_path_depth_first():
+    lines = tree_text(TREE).split("\n")
+    assert lines[1:] == ['✓ " the"', '  ✗ " cat"', '    ✗ "\\n"', '✗ "<b onmouseover=\\"x\\">"']
+    assert tree_text(DraftedTree((5,), (-1,), ())).endswith('✗ #5')  # no text (no tokenizer): its id
+
+
+def test_chain_rounds_have_no_tree():
+    assert "tok-tree" not in tokens_html([make_event(0)]) and "draft tree" not in tokens_html([make_event(0)])

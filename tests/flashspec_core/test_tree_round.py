@@ -110,6 +110,26 @@ def test_engine_streams_with_trees_equal_plain(tiny, drafters):
     assert all(e.tree_nodes == 0 for e in result.events if e.drafter != "draft_head")
 
 
+def test_a_tree_rounds_event_carries_its_tree(tiny):
+    """Each tree round's event has row 0's tree: parents before children, the accepted path a path from the root
+    whose tokens are the emitted drafts, and the event's rejected drafts the children tried where the walk stopped."""
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch")
+    events = list(engine.stream(PROMPT, 40, drafters=["draft_head"], tree=SIZES["width4"]))
+    events += list(engine.stream(PROMPT, 40, drafters=["prompt_lookup"], tree=SIZES["width4"]))
+    trees = [e for e in events if e.drafted_tree is not None]
+    assert trees and any(e.drafted_tree.accepted for e in trees) and any(e.rejected for e in trees)
+    assert all(e.drafted_tree is None for e in events if e.tree_nodes == 0)  # chains' events are as before
+    for e in trees:
+        tree = e.drafted_tree
+        assert len(tree.tokens) == len(tree.parents) == len(tree.texts) == e.tree_nodes
+        assert all(-1 <= p < i for i, p in enumerate(tree.parents))
+        assert [tree.parents[a] for a in tree.accepted] == [-1, *tree.accepted][:len(tree.accepted)]
+        assert tuple(tree.tokens[a] for a in tree.accepted) == e.accepted
+        stop = tree.accepted[-1] if tree.accepted else -1
+        assert tuple(t for t, p in zip(tree.tokens, tree.parents) if p == stop) == e.rejected
+
+
 def test_the_embedded_model_streams_trees(embedded_engine):
     """The shipped head's trees on the float32 path (`embedded_engine` runs the GGUF weights, where a tree forward's
     bfloat16 attention can flip near-ties against one-token steps: README, "chains against trees")."""
@@ -121,6 +141,12 @@ def test_the_embedded_model_streams_trees(embedded_engine):
     plain = engine.generate(prompt, 32, mode="plain").token_ids
     result = engine.generate(prompt, 32, drafters=["draft_head"], tree=TreeSize(5, 3, 12))
     assert result.token_ids == plain and result.stats["tokens_per_forward"] > 1.5
+    for e in result.events:  # the tree's texts are the spans' texts along the accepted path and where it stopped
+        if e.drafted_tree is not None and not e.finished:  # (a finished round may cut its path)
+            tree, spans = e.drafted_tree, [s.text for s in e.spans if s.kind in ("accepted", "rejected")]
+            stop = tree.accepted[-1] if tree.accepted else -1
+            tried = [i for i, p in enumerate(tree.parents) if p == stop]
+            assert [tree.texts[i] for i in [*tree.accepted, *tried]] == spans[:len(tree.accepted) + len(tried)]
 
 
 @pytest.mark.parametrize("bad", [(0, 2, 4), (3, 0, 4), (3, 2, 0), (3, 2, 33), (2.5, 2, 4)])
