@@ -375,14 +375,19 @@ class StaticCausalLM:
         chain is faster through `forward`, which replays them). Follow with `compact` once the path is known."""
         T = tree.check_ids(ids)
         self._fit_batch(ids.shape[0])
-        start, S = self.length, self.bucket(self.length + T)
+        start = self.length
         keep = T if logits_to_keep <= 0 else min(logits_to_keep, T)
-        allowed = torch.zeros((T, S), dtype=torch.bool)  # built on the host: one copy to the device
+        scratch = int(self.gguf and _lone_tail(self.n_heads // self.n_kv * T) and start + T < self.capacity)
+        W, S = T + scratch, self.bucket(start + T + scratch)  # a scratch slot as in `_forward` (`_lone_tail`)
+        allowed = torch.zeros((W, S), dtype=torch.bool)  # built on the host: one copy to the device
         allowed[:, :start] = True
-        allowed[:, start:start + T] = tree.ancestor_mask()
+        allowed[:T, start:start + T] = tree.ancestor_mask()
+        allowed[T:, start + T:start + W] = True  # the scratch slot sees the context and itself
         mask = torch.where(allowed.to(self.device), self.zero, self.neg_inf).repeat(self.n_heads // self.n_kv, 1)
         rope = tree.position_ids(start).to(self.device)  # [T] rotary positions: start + depth
-        logits, self.aux = self._layers(ids, rope, self.slots[start:start + T], mask, S, keep)
+        ids, rope = torch.cat([ids, ids[:, -1:]], dim=1)[:, :W], torch.cat([rope, rope[-1:]])[:W]
+        logits, aux = self._layers(ids, rope, self.slots[start:start + W], mask, S, keep + scratch)
+        logits, self.aux = logits[:, :keep], None if aux is None else aux[:, :T]
         self.length += T
         self.forwards += 1
         return logits[..., : self.vocab_size].to(torch.float32, copy=True)

@@ -448,6 +448,7 @@ def test_an_eleven_token_verify_equals_one_token_steps_on_the_embedded_file(embe
     step's (found through a greedy stream at gamma 10 that left plain decoding); the scratch token that
     `_lone_tail` adds keeps them equal."""
     from flashspec_core.fast_path import _lone_tail
+    from flashspec_core.tree import DraftTree
 
     assert _lone_tail(33) and _lone_tail(65) and not _lone_tail(34) and not _lone_tail(1) and not _lone_tail(32)
     assert _lone_tail(193) and not _lone_tail(225) and _lone_tail(769)
@@ -460,6 +461,9 @@ def test_an_eleven_token_verify_equals_one_token_steps_on_the_embedded_file(embe
         lm.crop(L)
         wide = lm.forward(ids[:, L:L + 11], logits_to_keep=11)
         assert lm.length == L + 11 and torch.equal(wide, steps), L
+        lm.crop(L)  # a chain-shaped tree of 10 nodes reads the same slots: the same bits
+        tree = lm.forward_tree(ids[:, L:L + 11], DraftTree.chain(10))
+        assert lm.length == L + 11 and torch.equal(tree, steps), L
     lm.reset()
 
 
