@@ -377,17 +377,13 @@ class StaticCausalLM:
         self._fit_batch(ids.shape[0])
         start = self.length
         keep = T if logits_to_keep <= 0 else min(logits_to_keep, T)
-        scratch = int(self.gguf and _lone_tail(self.n_heads // self.n_kv * T) and start + T < self.capacity)
-        W, S = T + scratch, self.bucket(start + T + scratch)  # a scratch slot as in `_forward` (`_lone_tail`)
-        allowed = torch.zeros((W, S), dtype=torch.bool)  # built on the host: one copy to the device
+        S = self.bucket(start + T)
+        allowed = torch.zeros((T, S), dtype=torch.bool)  # built on the host: one copy to the device
         allowed[:, :start] = True
-        allowed[:T, start:start + T] = tree.ancestor_mask()
-        allowed[T:, start + T:start + W] = True  # the scratch slot sees the context and itself
+        allowed[:, start:start + T] = tree.ancestor_mask()
         mask = torch.where(allowed.to(self.device), self.zero, self.neg_inf).repeat(self.n_heads // self.n_kv, 1)
         rope = tree.position_ids(start).to(self.device)  # [T] rotary positions: start + depth
-        ids, rope = torch.cat([ids, ids[:, -1:]], dim=1)[:, :W], torch.cat([rope, rope[-1:]])[:W]
-        logits, aux = self._layers(ids, rope, self.slots[start:start + W], mask, S, keep + scratch)
-        logits, self.aux = logits[:, :keep], None if aux is None else aux[:, :T]
+        logits, self.aux = self._layers(ids, rope, self.slots[start:start + T], mask, S, keep)
         self.length += T
         self.forwards += 1
         return logits[..., : self.vocab_size].to(torch.float32, copy=True)
@@ -465,17 +461,23 @@ class StaticCausalLM:
         attention 4 (mask copy + scaled GEMM, softmax, GEMM), o GEMM into the residual 1, norm 2, gate/up GEMM 1,
         SiLU and multiply 2, down GEMM into the residual 1. At T > 1 two reshapes of q and o add a copy each.
         """
-        T = ids.shape[1]
-        if self.gguf and _lone_tail(self.n_heads // self.n_kv * T) and int(pos[-1]) + 1 < self.capacity:
-            # one more (scratch) token, past the cache's length: its slot is masked from then on, and the real
-            # rows compute as in one-token steps (see `_lone_tail`)
-            S = max(S, self.bucket(int(pos[-1]) + 2))
-            logits, aux = self._forward(torch.cat([ids, ids[:, -1:]], dim=1), torch.cat([pos, pos[-1:] + 1]), S,
-                                        keep + 1)
-            return logits[:, :-1], None if aux is None else aux[:, :-1]
         # GQA without repeating K/V: the R query heads of a kv head become R * T query rows (row r * T + t)
         visible = self.slots[:S][None, :] <= pos.repeat(self.n_heads // self.n_kv)[:, None]  # [R*T, S]
         return self._layers(ids, pos, pos, torch.where(visible, self.zero, self.neg_inf), S, keep)
+
+    def _with_scratch(self, ids, rope, pos, mask, S: int, keep: int):
+        """`_layers` with one scratch token more (see `_lone_tail`): at the slot after pos's last, past the cache's
+        length (masked from then on), seeing what the last token sees and itself; its outputs are dropped, and the
+        real rows compute as in one-token steps."""
+        R, T, slot = self.n_heads // self.n_kv, ids.shape[1], int(pos[-1]) + 1
+        wide = max(S, self.bucket(slot + 1))
+        rows = F.pad(mask.view(R, T, S), (0, wide - S), value=float("-inf"))
+        extra = rows[:, -1:].clone()
+        extra[..., slot] = 0.0
+        mask = torch.cat([rows, extra], dim=1).view(R * (T + 1), wide)
+        logits, aux = self._layers(torch.cat([ids, ids[:, -1:]], dim=1), torch.cat([rope, rope[-1:] + 1]),
+                                   torch.cat([pos, pos[-1:] + 1]), mask, wide, keep + 1)
+        return logits[:, :-1], None if aux is None else aux[:, :-1]
 
     def _layers(self, ids: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, S: int, keep: int):
         """`_forward` under any mask: ids [B, T] rotated at positions rope [T], their K/V written to cache slots
@@ -485,6 +487,8 @@ class StaticCausalLM:
         B, T = ids.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         R = H // KV  # query heads per kv head
+        if self.gguf and _lone_tail(R * T) and int(pos[-1]) + 1 < self.capacity:
+            return self._with_scratch(ids, rope, pos, mask, S, keep)
         x = F.embedding(ids, self.embed).view(B * T, -1)  # [B*T, hidden], the residual stream, updated in place
         cos, sin = self.cos[rope][:, None, :], self.sin[rope][:, None, :]  # [T, 1, D]
         if self._loop is not None:
