@@ -9,6 +9,8 @@
 #   p1:      stash GGUF part 1 and the wheels (.carry/p1), then time the data's generation (gen_probe --rows) at each
 #            of PROBE_BATCHES
 #   p2:      stash GGUF part 2 (.carry/p2)
+#   old:     stash corpora of earlier runs (.carry/old/NAME/corpus-NNN.safetensors) in /root/old/NAME, for
+#            TRAIN_ARGS="--set earlier=/root/old/NAME,..." (their data trains with the new run's)
 #   headgo:  assemble the GGUF with part 3 (.carry/p3), start data + training in the background (TRAIN_ARGS), watch it
 # The captured round (issue 15), the GGUF in three parts likewise:
 #   r1:      stash part 1 (.carry/p1), the captured round's tests and the tree kernel's on CUDA
@@ -16,7 +18,9 @@
 #   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s)
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
 #            (the export goes to /root/head_out, never to $OUT: its 29 MB model file cannot come back; the float32
-#            shards in $OUT/ckpt can, and `train_head --resume --train-minutes 0` exports them here)
+#            shards in $OUT/ckpt can, and `train_head --resume --train-minutes 0` exports them here), with the
+#            corpus shards named in SHARDS (e.g. "000 001": the 8 files a call brings back hold two)
+#   shards:  bring back the corpus shards named in SHARDS (at most 4 a call), for the next session's `old`
 # The machine keeps /root between calls only while it stays warm (30 s): call the next phase at once.
 # Prepare the ignored .carry/ folder once (from the repository root):
 #   mkdir -p .carry/a .carry/b && G=$(python -c "from flashspec_core.models import embedded_gguf_path as p; print(p())")
@@ -95,9 +99,15 @@ headgo)
 watch)
   if watch_run ${WATCH_S:-520}; then
     cp /root/train.log "$OUT/" && bring_back && cp /root/ckpt/corpus.json /root/ckpt/heldout_prompts.json "$OUT/"  # 8 files at most
+    for n in ${SHARDS:-}; do cp /root/ckpt/corpus-$n.safetensors "$OUT/"; done
     [ -n "${EVAL_ARGS:-}" ] && python3 -m benchmarks.head ${EVAL_ARGS} 2>&1 | grep -v -i "loading weights" | tail -40
     cp benchmarks/results/head_embedded_cuda*.json "$OUT/" 2>/dev/null
   fi ;;
+old)
+  for d in .carry/old/*/; do mkdir -p /root/old/$(basename $d) && cp $d/corpus-*.safetensors /root/old/$(basename $d)/; done
+  ls -laR /root/old ;;
+shards)
+  ls -la /root/ckpt; for n in ${SHARDS:-}; do cp /root/ckpt/corpus-$n.safetensors "$OUT/"; done ;;
 r1)  # the captured round (issue 15): stash GGUF part 1 (.carry/p1), its tests and the tree kernel's on CUDA
   python3 -m pytest tests/flashspec_core/test_captured.py tests/flashspec_core/test_round.py tests/kernels/test_tree_verify.py \
     -q -p no:cacheprovider -x 2>&1 | tee "$OUT/pytest_captured_cuda.log" | tail -15 ;;
@@ -111,5 +121,5 @@ r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RU
     timeout ${RUN_TIMEOUT:-280} python3 -m benchmarks.run --preset embedded $args 2>&1 | grep -v -i "loading weights\|de-quantizing\|clean_up_tokenization" | tail -${RUN_TAIL:-30}
   done <<< "${RUN_ARGS:-}"
   cp benchmarks/results/engine_embedded_cuda*.json benchmarks/results/engine_embedded_cuda*.csv "$OUT/" 2>/dev/null ;;
-*) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, headgo, watch, r1, r2 or r3" >&2; exit 2 ;;
+*) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, old, headgo, watch, shards, r1, r2 or r3" >&2; exit 2 ;;
 esac

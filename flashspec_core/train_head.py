@@ -55,6 +55,7 @@ class TrainConfig:
     batch_tokens: int = 16384  # padded tokens per training batch
     max_len: int = 768  # longer sequences are cut
     data_minutes: float = 8.0  # generation budget (prompt making included); the corpus keeps what is done by then
+    earlier: str = ""  # corpus folders of earlier runs (comma-separated), joined to this run's for training
     gen_dtype: str = "auto"  # the generating copy's dtype ("auto": bfloat16 on CUDA); training reads float32 features
     autocast: bool = True  # training and evaluation matmuls in bfloat16 on CUDA (float32 weights and optimizer)
     train_minutes: float = 12.0
@@ -439,6 +440,22 @@ def corpus_for(cfg: TrainConfig, model, tokenizer, ckpt: Path, log=print) -> Cor
     return corpus
 
 
+def earlier_corpora(cfg: TrainConfig, resume: bool, log=print) -> list[Corpus]:
+    """The corpora of earlier runs (`cfg.earlier`), each a folder of shards: data made in other sessions trains
+    with this run's (its held-out flags kept). A folder that is not here stops training; an export-only call
+    (which reads no corpus) goes on without it."""
+    out = []
+    for folder in filter(None, (f.strip() for f in cfg.earlier.split(","))):
+        shards = sorted(Path(folder).glob("corpus-*.safetensors"))
+        if not shards:
+            if resume and cfg.train_minutes <= 0:
+                continue
+            raise FileNotFoundError(f"no corpus shards in {folder!r} (earlier={cfg.earlier!r})")
+        out.append(load_corpus(Path(folder)))
+        log(f"earlier corpus {folder}: {len(out[-1])} sequences from {len(shards)} shards")
+    return out
+
+
 def start_head(args, cfg: TrainConfig, model, corpus: Corpus, ckpt: Path, eos) -> tuple[DraftHead, dict]:
     """The head to train: resumed from the checkpoint, or new (its trainable weights from `--init` if given)."""
     if args.resume:
@@ -465,7 +482,7 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(cfg.target, device, torch.float32)  # also converts the embedded model once
     t0 = time.monotonic()
-    corpus = corpus_for(cfg, model, tokenizer, ckpt)
+    corpus = merge([corpus_for(cfg, model, tokenizer, ckpt), *earlier_corpora(cfg, args.resume)])
     data_s = time.monotonic() - t0
     if cfg.total_minutes > 0:  # the data took what it took; training fills the rest of the budget
         cfg = replace(cfg, train_minutes=max(0.5, cfg.total_minutes - (time.monotonic() - start) / 60))

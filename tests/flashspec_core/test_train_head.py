@@ -9,7 +9,7 @@ import torch
 from flashspec_core import Engine
 from flashspec_core.draft_head import load_head
 from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary
-from flashspec_core.train_head import (TrainConfig, batches, export, load_checkpoint, load_corpus, make_corpus, merge,
+from flashspec_core.train_head import (TrainConfig, batches, earlier_corpora, export, load_checkpoint, load_corpus, make_corpus, merge,
                                        new_head, pad, save_checkpoint, save_corpus, step_loss, train)
 
 CFG = TrainConfig(topic_asks_per_domain=1, materials=8, bank_prompts=40, self_prompts=4, follow_ups=4, max_new_tokens=10,
@@ -80,6 +80,22 @@ def test_corpus_shards_are_uint16_and_bounded(corpus, tmp_path, monkeypatch):
     assert again.sequences == corpus.sequences and again.greedy == corpus.greedy
     with pytest.raises(ValueError, match="uint16"):
         save_corpus(Corpus([[70000, 1]], [1], [False], [True]), tmp_path / "big")
+
+
+def test_earlier_runs_corpora_join_in_order_and_a_missing_one_stops_training(corpus, tmp_path):
+    from dataclasses import replace
+
+    half = len(corpus) // 2
+    for name, part in (("a", slice(0, half)), ("b", slice(half, None))):
+        save_corpus(Corpus(*(x[part] for x in (corpus.sequences, corpus.starts, corpus.heldout, corpus.greedy))),
+                    tmp_path / name)
+    cfg = replace(CFG, earlier=f"{tmp_path / 'a'}, {tmp_path / 'b'}")
+    joined = merge(earlier_corpora(cfg, resume=False, log=lambda m: None))
+    assert joined.sequences == corpus.sequences and joined.heldout == corpus.heldout and joined.greedy == corpus.greedy
+    gone = replace(CFG, earlier=str(tmp_path / "gone"))
+    with pytest.raises(FileNotFoundError, match="gone"):
+        earlier_corpora(gone, resume=False)
+    assert earlier_corpora(replace(gone, train_minutes=0), resume=True) == []  # export only: no corpus read
 
 
 def test_draft_vocabulary_is_the_most_frequent_answer_tokens():
