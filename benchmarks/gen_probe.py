@@ -1,11 +1,12 @@
 """Generation throughput of one process on a GPU at the draft-head data's shapes: a random model of the embedded
 target's shape (no weights needed), bfloat16, a static KV cache at a large batch: generate() with its own
 multinomial sampling, eager and compiled, or (--rows) the data's own path, `head_data.generate` (one call for
-mixed temperatures, Gumbel-max per row, compiled). `--attention grouped` (the data's choice) decodes with
+mixed temperatures, Gumbel-max per row, compiled; or `--cache continuous`: transformers' continuous batching, one
+call per temperature). `--attention grouped` (the data's choice) decodes with
 `flashspec_core.grouped_attention`, `sdpa` with transformers' own (key/value heads repeated). Random weights never end an answer early, so every new token
 counts. Prints new tokens per second; numbers, not assertions.
 
-    python -m benchmarks.gen_probe [--batch 2048] [--width 128] [--new 128] [--rows] [--attention grouped|sdpa]
+    python -m benchmarks.gen_probe [--batch 2048] [--width 128] [--new 128] [--rows [--cache static|continuous]] [--attention grouped|sdpa]
 """
 from __future__ import annotations
 
@@ -50,8 +51,7 @@ class _Ids:
         return {"input_ids": [list(t) for t in texts]}
 
 
-@torch.inference_mode()
-def timed_rows(model, batch: int, width: int, new: int) -> dict:
+def timed_rows(model, batch: int, width: int, new: int, cache: str) -> dict:
     from flashspec_core.head_data import generate
 
     model.generation_config.disable_compile = False
@@ -64,7 +64,7 @@ def timed_rows(model, batch: int, width: int, new: int) -> dict:
     for name in ("first", "second"):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        answers = generate(model, _Ids(), texts, new, temps, batch, static=True)
+        answers = generate(model, _Ids(), texts, new, temps, batch, cache=cache)
         torch.cuda.synchronize()
         s = time.perf_counter() - t0
         out[name] = {"seconds": round(s, 2), "new_tokens_per_s": round(sum(map(len, answers)) / s)}
@@ -78,12 +78,14 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rows", action="store_true", help="time head_data.generate (mixed temperatures) instead")
     ap.add_argument("--attention", choices=("grouped", "sdpa"), default="grouped")
+    ap.add_argument("--cache", choices=("static", "continuous"), default="static",
+                    help="with --rows: head_data's static shapes, or continuous batching (generate_batch)")
     args = ap.parse_args(argv)
     model = model_like_smollm2()
     if args.attention == "grouped":
         use_grouped_attention(model)
     if args.rows:
-        rows = {"head_data.generate, compiled": timed_rows(model, args.batch, args.width, args.new)}
+        rows = {f"head_data.generate, {args.cache}": timed_rows(model, args.batch, args.width, args.new, args.cache)}
     else:
         rows = {mode: timed(model, args.batch, args.width, args.new, mode == "compiled") for mode in ("eager", "compiled")}
     print(json.dumps({"gpu": torch.cuda.get_device_name(), **vars(args), **rows}, indent=1))

@@ -93,15 +93,29 @@ class RowTemperature:
         return torch.where(self.t > 0, scores / self.t.clamp(min=1e-6) + gumbel, scores)
 
 
-@torch.inference_mode()
+CACHES = ("static", "dynamic", "continuous")
+
+
 def generate(model, tokenizer, texts: list[str], max_new: int, temperature, batch: int,
-             static: bool = False, calls: list | None = None) -> list[list[int]]:
+             cache: str = "dynamic", calls: list | None = None) -> list[list[int]]:
     """Continue each text (already in chat form) at its temperature (one float, or one per text; 0 = greedy);
-    returns the new ids, cut after the first end-of-turn token. Texts are batched by length. `static`: a static
-    KV cache with every batch padded to `batch` rows and its prompts to one of WIDTHS (longer prompts get no
-    answer, []), so a large batch decodes at two shapes. `calls`, if given, gets one record per generate() call."""
+    returns the new ids, cut after the first end-of-turn token. `cache` (one of CACHES): "static", a static KV
+    cache with every batch padded to `batch` rows and its prompts to one of WIDTHS (longer prompts get no answer,
+    []), so a large batch decodes at two shapes; "dynamic", batches by length; "continuous", transformers'
+    continuous batching (a paged cache; a finished row's slot goes to the next prompt at once). `calls`, if
+    given, gets one record per generate() call."""
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
     temps = [float(temperature)] * len(texts) if isinstance(temperature, (int, float)) else list(temperature)
     enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    if cache == "continuous":  # not under inference mode: its worker thread updates the tensors it made here
+        return _generate_continuous(model, enc, temps, max_new, calls)
+    with torch.inference_mode():
+        return _generate_batched(model, enc, temps, max_new, batch, cache == "static", calls)
+
+
+def _generate_batched(model, enc: list[list[int]], temps: list[float], max_new: int, batch: int, static: bool,
+                      calls: list | None) -> list[list[int]]:
     order = sorted(range(len(enc)), key=lambda i: len(enc[i]))
     out: list[list[int]] = [[] for _ in enc]
     at = 0
@@ -155,6 +169,33 @@ def _generate_rows(model, rows: list[list[int]], temps: list[float], max_new: in
     return out
 
 
+def _generate_continuous(model, rows: list[list[int]], temps: list[float], max_new: int, calls: list | None):
+    """Each temperature's rows in one `generate_batch` call (continuous batching): greedy rows exact, sampled rows
+    from the whole softmax at their temperature (no top-k or top-p)."""
+    from transformers import GenerationConfig
+
+    eos = end_of_turn(model)
+    out: list[list[int]] = [[] for _ in rows]
+    for t in sorted(set(temps)):
+        picked = [i for i, x in enumerate(temps) if x == t]
+        config = GenerationConfig(max_new_tokens=max_new, do_sample=t > 0, temperature=t if t > 0 else 1.0,
+                                  top_k=None, top_p=None, eos_token_id=sorted(eos), pad_token_id=min(eos))
+        t0 = time.perf_counter()
+        results = model.generate_batch([rows[i] for i in picked], generation_config=config, progress_bar=False)
+        errors = [r.error for r in results.values() if r.error is not None]
+        if len(results) != len(picked) or errors:
+            raise RuntimeError(f"generate_batch answered {len(results) - len(errors)} of {len(picked)} prompts at "
+                               f"temperature {t}: {errors[:1]}")
+        for i, r in zip(picked, results.values()):
+            row = list(r.generated_tokens)
+            out[i] = row[:next((j + 1 for j, tok in enumerate(row) if tok in eos), len(row))]
+        if calls is not None:
+            new = sum(len(out[i]) for i in picked)
+            calls.append({"width": "continuous", "rows": len(picked), "batch": len(picked), "steps": max_new, "new": new,
+                          "seconds": time.perf_counter() - t0})
+    return out
+
+
 def self_prompts(gen: "Gen", n: int, max_tokens: int = 256) -> list[str]:
     """User turns the target writes itself after its system turn (temperature 1), cleaned and de-duplicated."""
     new = gen.continue_texts([gen.before] * n, max_tokens, 1.0)
@@ -171,10 +212,10 @@ def excluded(prompt: str, examples: list[str]) -> bool:
 
 
 class Gen:
-    """How this process generates: the model and tokenizer, the batch and whether shapes are static."""
+    """How this process generates: the model and tokenizer, the batch and the KV cache (one of CACHES)."""
 
-    def __init__(self, model, tokenizer, batch: int, static: bool, max_new: int = 256):
-        self.model, self.tokenizer, self.batch, self.static = model, tokenizer, batch, static
+    def __init__(self, model, tokenizer, batch: int, cache: str, max_new: int = 256):
+        self.model, self.tokenizer, self.batch, self.cache = model, tokenizer, batch, cache
         self.max_new = max_new  # no call makes more new tokens per text than this
         self.before, self.after = chat_prefix(tokenizer)
         self.tokens = 0  # new tokens made so far (answers only, end of turn included)
@@ -189,7 +230,7 @@ class Gen:
         return [self.before + u + self.after for u in users]
 
     def continue_texts(self, texts: list[str], max_new: int, temperature) -> list[list[int]]:
-        out = generate(self.model, self.tokenizer, texts, min(max_new, self.max_new), temperature, self.batch, self.static,
+        out = generate(self.model, self.tokenizer, texts, min(max_new, self.max_new), temperature, self.batch, self.cache,
                        self.calls)
         self.tokens += sum(map(len, out))
         return out
@@ -198,7 +239,7 @@ class Gen:
         """Per prompt width: calls, seconds (the first call, with its compile, apart), new tokens per second, and
         how full the rows were (new tokens over rows x steps)."""
         parts = []
-        for width in sorted({c["width"] for c in self.calls}):
+        for width in sorted({c["width"] for c in self.calls}, key=str):
             cs = [c for c in self.calls if c["width"] == width]
             secs, new = sum(c["seconds"] for c in cs), sum(c["new"] for c in cs)
             fill = new / max(1, sum(c["batch"] * c["steps"] for c in cs))

@@ -43,7 +43,7 @@ class TrainConfig:
     follow_ups: int = 12000  # second turns on greedy first answers
     max_new_tokens: int = 256  # per answer
     gen_batch: int = 2048  # rows per generate() call (fewer for long prompts)
-    static_gen: bool = True  # static KV cache, padded to fixed shapes
+    gen_cache: str = "static"  # the generating copy's KV cache (head_data.CACHES): static shapes, or continuous batching
     gen_compile: bool = False  # let generate() compile the static decode step on CUDA (one compile per shape)
     sampled_fraction: float = 0.5  # prompts that also get a sampled answer (half at temperature 0.7, half at 1)
     round_answers: int = 49152  # answers made in one pass (all temperatures at once), then saved as shards
@@ -61,6 +61,7 @@ class TrainConfig:
     train_minutes: float = 12.0
     total_minutes: float = 0.0  # if set, training gets what is left of this budget (from the start) after the data
     eval_every_s: float = 45.0
+    profile_steps: int = 0  # if > 0: after 10 warm steps, log where `profile_steps` training steps spend their time
     eval_sequences: int = 192
 
     def __post_init__(self):
@@ -205,6 +206,43 @@ def lr_at(step: int, fraction: float, cfg: TrainConfig) -> float:
     return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction))))
 
 
+def train_step(head: DraftHead, model, batch, cfg: TrainConfig, opt, params) -> float:
+    with autocast(cfg, next(model.parameters()).device):
+        loss = step_loss(head, model, batch, cfg)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return loss.item()
+
+
+class StepProfile:
+    """torch.profiler around training steps [FIRST, FIRST + steps), then one log line per row of the twelve ops
+    that took the most device time (CPU time without a GPU): where a training step goes, on the machine itself."""
+    FIRST = 10
+
+    def __init__(self, steps: int, log):
+        self.steps, self.log, self.prof = steps, log, None
+
+    def before(self, step: int) -> None:
+        if self.steps > 0 and step == self.FIRST:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            acts += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.prof is None or step < self.FIRST + self.steps - 1:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        for line in self.prof.key_averages().table(sort_by=key, row_limit=12).splitlines():
+            self.log(f"profile: {line}")
+        self.prof = None
+
+
 def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device, log=print, curve=None,
           on_eval=None) -> list[dict]:
     """Train until cfg.train_minutes pass; evaluate every cfg.eval_every_s (then call on_eval(curve), e.g. to
@@ -216,7 +254,7 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device, log=
     budget, t0, step = cfg.train_minutes * 60, time.monotonic(), 0
     tokens = curve[-1]["tokens_seen"] if curve else 0
     base_step = curve[-1]["step"] if curve else 0
-    next_eval, losses = 0.0, []
+    next_eval, losses, profile = 0.0, [], StepProfile(cfg.profile_steps, log)
     while time.monotonic() - t0 < budget:
         for idx in batches(corpus, corpus.split(heldout=False), cfg, rng):
             elapsed = time.monotonic() - t0
@@ -234,13 +272,9 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device, log=
             batch = pad(corpus, idx, cfg.max_len, device)
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, elapsed / budget, cfg)
-            with autocast(cfg, device):
-                loss = step_loss(head, model, batch, cfg)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            losses.append(loss.item())
+            profile.before(step)
+            losses.append(train_step(head, model, batch, cfg, opt, params))
+            profile.after(step)
             tokens += int(batch[1].sum())
             step += 1
     return curve
@@ -429,8 +463,9 @@ def corpus_for(cfg: TrainConfig, model, tokenizer, ckpt: Path, log=print) -> Cor
     t0 = time.monotonic()
     gen_model = copy.deepcopy(model).to(pick_dtype(cfg.gen_dtype, model.device))
     gen_model.generation_config.disable_compile = not cfg.gen_compile
-    use_grouped_attention(gen_model)  # each cached key/value read once per decode step, not once per query head
-    gen = Gen(gen_model, tokenizer, cfg.gen_batch, cfg.static_gen, cfg.max_new_tokens)
+    if cfg.gen_cache != "continuous":  # continuous batching brings its own paged attention
+        use_grouped_attention(gen_model)  # each cached key/value read once per decode step, not once per query head
+    gen = Gen(gen_model, tokenizer, cfg.gen_batch, cfg.gen_cache, cfg.max_new_tokens)
     corpus = make_corpus(gen, cfg, ckpt, log)
     spent = time.monotonic() - t0
     (ckpt / "corpus.json").write_text(json.dumps({"answers": len(corpus), "new_tokens": gen.tokens, "seconds": round(spent, 1),

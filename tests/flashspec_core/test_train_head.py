@@ -38,7 +38,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def made(tiny, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ckpt")
-    gen = Gen(*tiny, CFG.gen_batch, CFG.static_gen, CFG.max_new_tokens)
+    gen = Gen(*tiny, CFG.gen_batch, CFG.gen_cache, CFG.max_new_tokens)
     return make_corpus(gen, CFG, folder, log=lambda m: None), folder
 
 
@@ -159,9 +159,45 @@ def test_init_takes_a_shipped_heads_trainable_weights_whatever_its_vocabulary(ti
 
 
 def test_gen_records_each_generate_call(tiny):
-    gen = Gen(*tiny, 8, True, 6)
+    gen = Gen(*tiny, 8, "static", 6)
     gen([f"Name a river, number {i}." for i in range(10)], 6, 0.0)
     assert len(gen.calls) == 2  # ten prompts at a batch of eight: two calls at one width
     assert sum(c["new"] for c in gen.calls) == gen.tokens > 0
     assert all(c["steps"] <= 6 and c["rows"] <= c["batch"] and c["seconds"] > 0 for c in gen.calls)
     assert gen.where_time_went().startswith(f"width {gen.calls[0]['width']}: 2 calls")
+
+
+def test_continuous_batching_answers_as_the_batched_path_does(tiny):
+    """transformers' continuous batching (a paged cache, finished rows refilled at once): greedy answers equal the
+    length-batched path's token for token; sampled answers are cut at the end of turn or the cap like them."""
+    from flashspec_core.head_data import end_of_turn, generate
+
+    model, tokenizer = tiny
+    before, after = chat_prefix(tokenizer)
+    texts = [before + f"Tell me about rivers, number {i}." + after for i in range(6)]
+    temps = [0.0, 1.0, 0.0, 0.7, 0.0, 1.0]
+    calls = []
+    cont = generate(model, tokenizer, texts, 8, temps, 4, cache="continuous", calls=calls)
+    plain = generate(model, tokenizer, texts, 8, 0.0, 4, cache="dynamic")
+    assert [cont[i] for i in (0, 2, 4)] == [plain[i] for i in (0, 2, 4)]
+    eos = end_of_turn(model)
+    for a in cont:
+        assert 0 < len(a) <= 8 and all(t not in eos for t in a[:-1]) and (len(a) == 8 or a[-1] in eos)
+    assert [c["rows"] for c in calls] == [3, 1, 2] and sum(c["new"] for c in calls) == sum(map(len, cont))
+    with pytest.raises(ValueError, match="cache must be one of"):
+        generate(model, tokenizer, texts, 8, 0.0, 4, cache="paged")
+
+
+def test_step_profile_logs_the_ops_of_the_profiled_steps():
+    from flashspec_core.train_head import StepProfile
+
+    lines = []
+    profile = StepProfile(2, lines.append)
+    x = torch.randn(64, 64)
+    for step in range(14):
+        profile.before(step)
+        x = torch.tanh(x @ x)
+        profile.after(step)
+        assert (step >= StepProfile.FIRST + 1) == bool(lines)  # the table comes once the profiled steps are done
+    assert all(line.startswith("profile: ") for line in lines) and any("aten::mm" in line for line in lines)
+    assert StepProfile(0, lines.append).prof is None
