@@ -9,9 +9,13 @@
 #   p1:      stash GGUF part 1 and the wheels (.carry/p1), then time the data's generation (gen_probe --rows) at each
 #            of PROBE_BATCHES
 #   p2:      stash GGUF part 2 (.carry/p2)
-#   old:     stash corpora of earlier runs (.carry/old/NAME/corpus-NNN.safetensors) in /root/old/NAME, for
+#   old:     stash corpora of earlier runs (.carry/old*/NAME/corpus-NNN.safetensors) in /root/old/NAME, for
 #            TRAIN_ARGS="--set earlier=/root/old/NAME,..." (their data trains with the new run's)
 #   headgo:  assemble the GGUF with part 3 (.carry/p3), start data + training in the background (TRAIN_ARGS), watch it
+#   ckpt:    add the files of .carry/ck*/ (a checkpoint brought back earlier: head shards, meta.json, corpus.json and
+#            its corpus shards, split over calls under the 64 MiB limit) to /root/ckpt
+#   resumego: assemble the GGUF with part 3 (.carry/p3), train on from /root/ckpt in the background (TRAIN_ARGS, e.g.
+#            "--train-minutes 20 --set earlier=/root/old/broad"), watch it
 # The captured round (issue 15), the GGUF in three parts likewise:
 #   r1:      stash part 1 (.carry/p1), the captured round's tests and the tree kernel's on CUDA
 #   r2:      stash part 2 (.carry/p2), the verify kernel's tests on CUDA
@@ -103,8 +107,15 @@ watch)
     [ -n "${EVAL_ARGS:-}" ] && python3 -m benchmarks.head ${EVAL_ARGS} 2>&1 | grep -v -i "loading weights" | tail -40
     cp benchmarks/results/head_embedded_cuda*.json "$OUT/" 2>/dev/null
   fi ;;
+ckpt)
+  mkdir -p /root/ckpt && for d in .carry/ck*/; do cp $d* /root/ckpt/; done; ls -la /root/ckpt ;;
+resumego)
+  assemble3
+  setsid nohup python3 -m flashspec_core.train_head --ckpt /root/ckpt --out /root/head_out --resume ${TRAIN_ARGS:-} > /root/train.log 2>&1 < /dev/null &
+  echo $! > /root/train.pid
+  watch_run ${WATCH_S:-520} ;;
 old)
-  for d in .carry/old/*/; do mkdir -p /root/old/$(basename $d) && cp $d/corpus-*.safetensors /root/old/$(basename $d)/; done
+  for d in .carry/old*/*/; do mkdir -p /root/old/$(basename $d) && cp $d/corpus-*.safetensors /root/old/$(basename $d)/; done
   ls -laR /root/old ;;
 shards)
   ls -la /root/ckpt; for n in ${SHARDS:-}; do cp /root/ckpt/corpus-$n.safetensors "$OUT/"; done ;;
@@ -121,5 +132,5 @@ r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RU
     timeout ${RUN_TIMEOUT:-280} python3 -m benchmarks.run --preset embedded $args 2>&1 | grep -v -i "loading weights\|de-quantizing\|clean_up_tokenization" | tail -${RUN_TAIL:-30}
   done <<< "${RUN_ARGS:-}"
   cp benchmarks/results/engine_embedded_cuda*.json benchmarks/results/engine_embedded_cuda*.csv "$OUT/" 2>/dev/null ;;
-*) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, old, headgo, watch, shards, r1, r2 or r3" >&2; exit 2 ;;
+*) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, old, ckpt, headgo, resumego, watch, shards, r1, r2 or r3" >&2; exit 2 ;;
 esac
