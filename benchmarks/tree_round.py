@@ -5,7 +5,7 @@ tok/s on the hand-written open prompts.
 
 For each prompt (through the chat template) the embedded model decodes --max-new-tokens tokens four ways from the
 same state, each through `DeviceRound`: plain (K = 0), head chains of 4 and 6 (`run`), and head trees
-(`run_tree`, `TREES`), ignoring end-of-text so that every row makes the same number of tokens. Greedy rows must
+(`run_tree`, `TREES`; "auto" sized each round by the engine's policy from this machine's measured costs), ignoring end-of-text so that every row makes the same number of tokens. Greedy rows must
 equal plain decoding token for token; at --temperature > 0 the rows are seeded samples (same seed per prompt).
 Writes JSON under benchmarks/results/ and prints a table. Numbers, not assertions.
 """
@@ -15,29 +15,33 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from statistics import mean
 
 import torch
 
 from benchmarks.run import RESULTS, environment, load_prompt_set
 from flashspec_core import Engine, SamplingConfig
+from flashspec_core.stream import StreamState
 from flashspec_core.tree_round import TreeSize
 
 CHAINS = (4, 6)
-TREES = (TreeSize(6, 2, 10), TreeSize(6, 4, 16), TreeSize(6, 4, 32))
+TREES = (TreeSize(6, 2, 10), TreeSize(6, 4, 16), TreeSize(6, 4, 32), TreeSize(6, 4, 32, auto=True))
 
 
 def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, seed: int, max_new: int) -> dict:
     """max_new tokens from ids by rounds of one kind: an int K (chain, 0 = plain) or a TreeSize."""
     round_, head = engine.round, engine.drafters["draft_head"]
     rows, gen = [list(ids)], torch.Generator().manual_seed(seed)
+    s = StreamState(rows, sampling, "auto", "speculative", ["draft_head"], max_new, gen, None, tree=config)
     round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=list(engine.drafters))
     forwards, t0 = 0, time.perf_counter()
     while len(rows[0]) - len(ids) < max_new:
         room = max_new - (len(rows[0]) - len(ids)) - 1  # drafts that still fit
         if isinstance(config, TreeSize):
-            if room > 0:
-                round_.run_tree(rows, head, TreeSize(min(config.depth, room), config.top_k, config.size), sampling, gen)
+            if room > 0:  # tree "auto" sized as the engine sizes it (HostPolicy.tree_plan)
+                shape, nodes = engine.policy.tree_plan(s, "draft_head", replace(config, depth=min(config.depth, room)))
+                engine.policy.learn_acceptance(s, "draft_head", round_.run_tree(rows, head, shape, sampling, gen, nodes))
             else:
                 round_.run(rows, engine.drafters["no_draft"], 0, sampling, gen)
         else:
@@ -50,6 +54,8 @@ def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, see
 
 
 def name_of(config) -> str:
+    if isinstance(config, TreeSize) and config.auto:
+        return f"tree d{config.depth} k{config.top_k} auto<={config.size}"
     return f"tree d{config.depth} k{config.top_k} s{config.size}" if isinstance(config, TreeSize) else \
         ("plain" if config == 0 else f"chain {config}")
 
@@ -63,6 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     engine = Engine.from_preset("embedded", precision=args.precision, captured="off")
+    engine.calibrate()  # the measured costs that tree "auto" sizes its trees by
     sampling = SamplingConfig(temperature=args.temperature)
     prompts = load_prompt_set("open")[:args.prompts]
     configs = [0, *CHAINS, *TREES]

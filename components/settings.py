@@ -39,8 +39,10 @@ LEGS = ("a", "b")  # the two configurations of a race; component names carry the
 LEG_DEFAULT_MODES = {"a": "plain", "b": "speculative"}  # the one-click default: plain against speculative
 CHAIN = "chain"
 # What the draft head drafts each round it is pulled: a chain of K, or a tree it verifies in one target forward
-# (TreeSize(depth, top_k, size): levels, children per expanded node, nodes kept). Other drafters draft chains.
-DRAFT_SHAPES = {CHAIN: None, "tree 8": TreeSize(4, 2, 8), "tree 16": TreeSize(6, 4, 16), "tree 32": TreeSize(6, 4, 32)}
+# (TreeSize(depth, top_k, size): levels, children per expanded node, nodes kept; "tree auto" verifies the best
+# first n of 32 nodes, n chosen each round from the measured costs). Other drafters draft chains.
+DRAFT_SHAPES = {CHAIN: None, "tree 8": TreeSize(4, 2, 8), "tree 16": TreeSize(6, 4, 16), "tree 32": TreeSize(6, 4, 32),
+                "tree auto": TreeSize(6, 4, 32, auto=True)}
 
 
 def role_of(entry: str) -> str:
@@ -96,7 +98,9 @@ class RunSettings:
     def shape_label(self) -> str:
         """'chain', or e.g. 'tree 16 (depth 6, top-k 4)'."""
         tree = self.tree
-        return self.shape if tree is None else f"{self.shape} (depth {tree.depth}, top-k {tree.top_k})"
+        if tree is None:
+            return self.shape
+        return f"{self.shape} (depth {tree.depth}, top-k {tree.top_k}{f', up to {tree.size} nodes' if tree.auto else ''})"
 
     def record(self) -> dict:
         """The settings as flat columns of the runs table."""

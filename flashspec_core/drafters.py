@@ -45,6 +45,11 @@ class TreeProposal:
     q: torch.Tensor | None  # [B, N, V] float32, None when deterministic (the head's top-k children)
     score: torch.Tensor  # [B, N] float32: each node's cumulative draft log-probability (sum of log q on its path)
 
+    def first(self, n: int) -> "TreeProposal":
+        """The first n nodes (a tree, since a parent precedes its children), each with its token, law and score."""
+        return TreeProposal(DraftTree(self.tree.parents[:n]), self.tokens[:, :n],
+                            None if self.q is None else self.q[:, :n], self.score[:, :n])
+
 
 class Drafter:
     name = "drafter"

@@ -315,8 +315,8 @@ class Engine:
         limit = min(s.max_new_tokens - s.produced - 1, self.target.context_window - len(s.rows[0]) - 1)  # K + 1 fit
         before, drafter = s.rows[0][:], self.drafters[arm]
         if s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0:  # a tree, its depth cut to fit
-            out = self.round.run_tree(s.rows, drafter, replace(s.tree, depth=min(s.tree.depth, limit)), s.sampling,
-                                      s.generator)
+            shape, nodes = self.policy.tree_plan(s, arm, replace(s.tree, depth=min(s.tree.depth, limit)))
+            out = self.round.run_tree(s.rows, drafter, shape, s.sampling, s.generator, nodes)
         else:
             out = self.round.run(s.rows, drafter, self.policy.gamma(s, arm, limit), s.sampling, s.generator)
         return Played(arm, limit, before, s.rows[0][len(before):], out)

@@ -109,6 +109,39 @@ def best_gamma(a: float, draft: DraftCost, costs: CostModel, max_gamma: int) -> 
     return 1 + rates.index(max(rates))
 
 
+def best_tree_nodes(chances: list[float], costs: CostModel, draft_s: float = 0.0) -> int:
+    """How many nodes of a drafted tree to verify, numbered best first so that any first n form a tree (EAGLE-2's
+    rerank): the n in 0..len(chances) that maximises expected tokens per second, where chances[i] is node i's
+    chance of acceptance and the round costs draft_s (spent already) and a target forward over n + 1 tokens."""
+    if costs.plain_step() <= 0:
+        return len(chances)
+    forward = costs.curve(len(chances) + 1)
+    best, best_rate, tokens = 0, 1.0 / (draft_s + forward[0]), 1.0
+    for n, chance in enumerate(chances, start=1):
+        tokens += chance
+        rate = tokens / (draft_s + forward[n])
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
+
+
+class Calibration:
+    """How far a drafter's own probabilities over- or under-state acceptance in one stream: the decayed ratio of the
+    tokens accepted to those its probabilities expected, clipped to [0.2, 1.5] (1 before any round)."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay, self.accepted, self.expected = decay, 1.0, 1.0
+
+    def observe(self, accepted: int, expected: float) -> None:
+        if expected > 0:
+            self.accepted = self.decay * self.accepted + accepted
+            self.expected = self.decay * self.expected + expected
+
+    @property
+    def ratio(self) -> float:
+        return min(1.5, max(0.2, self.accepted / self.expected))
+
+
 def best_length(survival: list[float], costs: CostModel, draft_step_s: float = 0.0) -> int:
     """The K in 0..len(survival) that maximises expected tokens per second, where survival[j - 1] is the chance that
     the first j drafted tokens are all accepted (K = 0: a plain step). best_gamma is the case survival[j - 1] = a^j."""

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from flashspec_core.bandit import speed_reward
 from flashspec_core.drafters import Drafter, NoDraft
-from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost, best_gamma
+import math
+from dataclasses import replace
+
+from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost, best_gamma, best_tree_nodes
 from flashspec_core.stream import Counterfactual, Played, StreamState
+from flashspec_core.tree import DraftTree
 
 
 class HostPolicy:
@@ -47,17 +51,50 @@ class HostPolicy:
                                                                          self.costs, MAX_AUTO_GAMMA)
         return max(0, min(gamma, limit))
 
+    def tree_plan(self, s: StreamState, arm: str, shape):
+        """(shape, nodes) for a tree round (`tree_round.run_tree`). A fixed size as asked. Tree "auto": the depth is
+        the chain's K under gamma "auto" (a deep tree's drafting can cost more than it saves: each level is a head
+        step); greedy, the round drafts `shape.size` nodes and `nodes` cuts them to the best first n by their draft
+        scores; sampled, the cut must not depend on the draws (a law chosen by its own draws would no longer be q),
+        so the size is chosen before drafting from the static shape's prior (`DraftTree.static_prior`)."""
+        if not shape.auto:
+            return shape, None
+        if self.calibrated:
+            depth = best_gamma(s.acceptance[arm].rate, self.draft_costs.get(arm, DraftCost()), self.costs, shape.depth)
+            shape = replace(shape, depth=min(shape.depth, depth))
+        if s.sampling.greedy:
+            return shape, lambda scores: self.tree_nodes(s, arm, shape.depth, scores)
+        prior = DraftTree.static_prior(shape.depth, shape.top_k, shape.size)
+        return replace(shape, size=max(1, self.tree_nodes(s, arm, shape.depth, prior))), None
+
+    def tree_nodes(self, s: StreamState, arm: str, depth: int, scores: list[float]) -> int:
+        """Tree "auto": how many of a drafted tree's nodes (best first) to verify for the most expected tokens per
+        second, each node's chance of acceptance taken as its draft probability (EAGLE-2's observation) scaled by
+        this stream's calibration of the head (`StreamState.tree_fit`)."""
+        chances = [math.exp(x) for x in scores]
+        n = best_tree_nodes([min(1.0, s.tree_fit.ratio * c) for c in chances], self.costs,
+                            self.draft_costs.get(arm, DraftCost()).seconds(depth))
+        s.tree_expected = sum(chances[:n])
+        return n
+
     # -- after a round -------------------------------------------------------------------------------
     def learn(self, s: StreamState, played: Played) -> None:
         """The pulled arm's acceptance, the bandit's reward (tokens emitted over the round's cost as calibrated,
         not as timed: the same tokens always earn the same reward), the other arms' counterfactual scores."""
-        K, n = len(played.out.draft), played.out.num_accepted[0]
-        s.acceptance[played.arm].observe(n, K)
+        K = len(played.out.draft)
+        self.learn_acceptance(s, played.arm, played.out)
         if s.bandit:
             ref = 1.0 / max(self.costs.plain_step(), 1e-9)
             seconds = self.cost(played.arm, K) if played.out.tree is None else self.tree_cost(played.arm, *played.out.tree)
             s.bandit.update(played.arm, speed_reward(len(played.emitted) / max(seconds, 1e-9), ref))
             self._score_counterfactuals(s, played, ref)
+
+    def learn_acceptance(self, s: StreamState, arm: str, out) -> None:
+        """The pulled arm's acceptance; after an auto-sized tree round, also the nodes accepted against those the
+        head's probabilities expected."""
+        s.acceptance[arm].observe(out.num_accepted[0], len(out.draft))
+        if out.tree is not None and s.tree is not None and s.tree.auto:
+            s.tree_fit.observe(out.num_accepted[0], s.tree_expected)
 
     def _score_counterfactuals(self, s: StreamState, played: Played, ref: float) -> None:
         """Score the arms that were not pulled against the tokens the target actually emitted.

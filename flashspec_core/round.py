@@ -124,14 +124,14 @@ class DeviceRound:
         return self.land(rows, self.launch(rows, drafter, k, sampling, generator))
 
     def run_tree(self, rows: list[list[int]], drafter: DraftHeadDrafter, shape, sampling: SamplingConfig,
-                 generator) -> RoundOutput:
+                 generator, nodes=None) -> RoundOutput:
         """One round that verifies a draft tree of `shape` (`tree_round.TreeSize`) from the head; eager rounds only
         (a round built with captured="off", or on the CPU)."""
         if self.captured is not None:
             raise ValueError("tree rounds run eagerly: build the round with captured='off'")
         from flashspec_core.tree_round import run_tree
 
-        return run_tree(self, rows, drafter, shape, sampling, generator)
+        return run_tree(self, rows, drafter, shape, sampling, generator, nodes)
 
     # -- the round -----------------------------------------------------------------------------------
     def launch(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator) -> Launched:

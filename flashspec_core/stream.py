@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashspec_core.bandit import ArmState, Bandit
-from flashspec_core.gamma import Acceptance
+from flashspec_core.gamma import Acceptance, Calibration
 from flashspec_core.sampling import SamplingConfig
 
 
@@ -126,6 +126,8 @@ class StreamState:
     index: int = 0  # rounds so far
     open: list[Counterfactual] = field(default_factory=list)  # counterfactual proposals not yet decided
     tree: object = None  # a tree_round.TreeSize: the draft head drafts trees of it (None: chains)
+    tree_fit: Calibration = field(default_factory=Calibration)  # tree "auto": accepted over expected nodes so far
+    tree_expected: float = 0.0  # the last auto-sized tree's expected accepted nodes, by the head's probabilities
 
     def __post_init__(self):
         self.acceptance = {a: Acceptance() for a in self.arms}

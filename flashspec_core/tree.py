@@ -21,6 +21,22 @@ from dataclasses import dataclass
 import torch
 
 
+def _best_first(depth: int, top_k: int, size: int, first: float, ratio: float) -> list[tuple[int, float]]:
+    """(parent, log prior) of `DraftTree.static`'s nodes, best first."""
+    prior = [math.log(first * ratio ** r) for r in range(top_k)]
+    heap = [(-prior[r], r, -1, 1) for r in range(top_k)]  # (minus log prior, tie order, parent, depth)
+    nodes: list[tuple[int, float]] = []
+    order = top_k
+    while heap and len(nodes) < size:
+        score, _, parent, d = heapq.heappop(heap)
+        nodes.append((parent, -score))
+        if d < depth:
+            for r in range(top_k):
+                heapq.heappush(heap, (score - prior[r], order, len(nodes) - 1, d + 1))
+                order += 1
+    return nodes
+
+
 @dataclass(frozen=True)
 class DraftTree:
     parents: tuple[int, ...]  # [N] parent node of each node, -1 for the root's children; parents[i] < i
@@ -58,18 +74,12 @@ class DraftTree:
         child (r = 0, 1, ...) is accepted with probability first * ratio^r and a path with the product of its
         children's. A chain comes first, then second children near the root. Numbered in the order chosen, so
         parents precede children and siblings come in rank order."""
-        prior = [math.log(first * ratio ** r) for r in range(top_k)]
-        heap = [(-prior[r], r, -1, 1) for r in range(top_k)]  # (minus log prior, tie order, parent, depth)
-        parents: list[int] = []
-        order = top_k
-        while heap and len(parents) < size:
-            score, _, parent, d = heapq.heappop(heap)
-            parents.append(parent)
-            if d < depth:
-                for r in range(top_k):
-                    heapq.heappush(heap, (score - prior[r], order, len(parents) - 1, d + 1))
-                    order += 1
-        return cls(tuple(parents))
+        return cls(tuple(parent for parent, _ in _best_first(depth, top_k, size, first, ratio)))
+
+    @staticmethod
+    def static_prior(depth: int, top_k: int, size: int, first: float = 0.6, ratio: float = 1 / 3) -> list[float]:
+        """Each node of `static(depth, top_k, size, first, ratio)`: its log prior chance of acceptance."""
+        return [score for _, score in _best_first(depth, top_k, size, first, ratio)]
 
     @property
     def N(self) -> int:

@@ -32,21 +32,30 @@ class TreeSize:
     depth: int  # levels below the pending token
     top_k: int  # children per expanded node, and nodes expanded per level
     size: int  # nodes kept (the tree verified in one forward has size + 1 slots)
+    auto: bool = False  # verify only the best first n of the size nodes, n chosen per round from measured costs
 
     def __post_init__(self):
         for name in ("depth", "top_k", "size"):
             value = getattr(self, name)
             if not is_int(value) or not 1 <= value <= MAX_GAMMA:
                 raise ValueError(f"tree {name} must be an integer in 1..{MAX_GAMMA}, got {shown(value)}")
+        if not isinstance(self.auto, bool):
+            raise ValueError(f"tree auto must be True or False, got {shown(self.auto)}")
 
 
 def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: TreeSize, sampling: SamplingConfig,
-             generator) -> RoundOutput:
-    """One tree round over rows of equal length (`round_` a `DeviceRound`): draft, verify, accept, compact, update."""
+             generator, nodes=None) -> RoundOutput:
+    """One tree round over rows of equal length (`round_` a `DeviceRound`): draft, verify, accept, compact, update.
+    nodes: a function of row 0's node scores (host floats, best first) that says how many of the drafted nodes to
+    verify (greedy tree "auto", `HostPolicy.tree_plan`); None verifies them all."""
     timer, target = RoundTimer(round_.device), round_.target
     guessers = round_._guessers()
     guesses = [round_.drafters[name].guess for name in guessers]
     proposal = drafter.propose_tree(rows, shape.depth, shape.top_k, shape.size)  # draft
+    if nodes is not None and proposal.tree.N:
+        proposal = proposal.first(nodes(proposal.score[0].tolist()))
+    if not proposal.tree.N:  # nothing drafted, or nothing worth its verify: a plain step
+        return round_.run(rows, drafter, 0, sampling, generator)
     tree = proposal.tree
     timer.drafted()
     start = target.length  # the root's (the pending token's) cache position

@@ -76,3 +76,42 @@ def test_cost_model_extrapolates_with_the_measured_slope_never_above_the_prior()
     for t, s in ((1, 1.0), (2, 1.6), (5, 1.3)):  # 2 tokens dearer than 5, as on this CPU
         bump.observe(t, s)
     assert bump.forward(9) == pytest.approx(1.3 + 4 * 0.075)  # falling last slope: the slope from 1 token
+
+
+def test_best_tree_nodes_verifies_what_pays_for_its_forward():
+    from flashspec_core.gamma import best_tree_nodes
+
+    chances = [0.9, 0.8, 0.5, 0.3, 0.1, 0.05, 0.01]
+    flat = CostModel()
+    for t in (1, 8):
+        flat.observe(t, 0.010)  # a GPU-like forward: more tokens cost nothing
+    assert best_tree_nodes(chances, flat) == len(chances)
+    steep = CostModel()
+    for t in (1, 2, 4, 8):
+        steep.observe(t, 0.010 * t)  # each token a full step: a node pays only if it is sure to be accepted
+    assert best_tree_nodes(chances, steep) == 0
+    some = CostModel()
+    for t in (1, 8):
+        some.observe(t, 0.010 + 0.002 * (t - 1))  # +20% a token: nodes above ~1/5 of a token's worth pay
+    n = best_tree_nodes(chances, some)
+    assert 2 <= n < len(chances)
+    assert best_tree_nodes(chances, some, draft_s=0.05) >= n  # drafting spent already: verifying more pays more
+    assert best_tree_nodes(chances, CostModel()) == len(chances)  # nothing measured yet: all of it
+
+
+def test_calibration_scales_by_accepted_over_expected_within_bounds():
+    from flashspec_core.gamma import Calibration
+
+    c = Calibration()
+    assert c.ratio == 1.0
+    for _ in range(40):
+        c.observe(1, 2.0)
+    assert 0.5 <= c.ratio < 0.55
+    for _ in range(60):
+        c.observe(0, 5.0)
+    assert c.ratio == 0.2
+    for _ in range(60):
+        c.observe(6, 1.0)
+    assert c.ratio == 1.5
+    c.observe(3, 0.0)  # nothing expected: nothing learnt
+    assert c.ratio == 1.5

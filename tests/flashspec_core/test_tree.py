@@ -1,6 +1,8 @@
 """Tests for flashspec_core/tree.py: a draft tree's shape, its attention mask and positions, its paths and the cache
 slots kept after acceptance, on small hand-made trees and the chain; and one tree forward of a tiny Llama that
 gives, at every slot, the logits of a plain forward over the context and that slot's path."""
+import math
+
 import pytest
 import torch
 
@@ -121,3 +123,12 @@ def test_one_tree_forward_gives_every_path_its_plain_logits():
     # and the mask matters: a causal block over the same tokens differs at the nodes off the first path
     causal = model(torch.tensor([context + [root] + tokens])).logits[0, C:]
     assert (causal - plain).abs().amax(-1)[[3, 5, 6]].min() > 1e-3
+
+
+def test_a_static_trees_first_nodes_are_the_smaller_static_tree_and_their_priors_fall():
+    big = DraftTree.static(6, 4, 32)
+    for n in (1, 5, 12, 31):
+        assert DraftTree.static(6, 4, n).parents == big.parents[:n]
+    prior = DraftTree.static_prior(6, 4, 32)
+    assert len(prior) == 32 and prior == sorted(prior, reverse=True)
+    assert prior[0] == pytest.approx(math.log(0.6)) and prior[1] == pytest.approx(2 * math.log(0.6))

@@ -160,3 +160,56 @@ def test_a_tree_that_is_not_a_size_raises(tiny):
     engine = Engine.from_models(target, [head], kernel_backend="torch")
     with pytest.raises(ValueError, match="TreeSize"):
         engine.generate(PROMPT, 8, tree=(3, 2, 4))
+
+
+def test_tree_auto_cuts_greedy_trees_by_cost_and_keeps_plain_decodings_tokens(tiny):
+    """Greedy tree "auto": a round drafts up to 12 nodes and verifies the best first n, n (and the depth) from the
+    measured costs; the output stays plain decoding's. With a forward that costs in proportion to its tokens the
+    trees shrink."""
+    from flashspec_core.gamma import CostModel, DraftCost
+
+    target, head = tiny
+    engine = Engine.from_models(target, [head], kernel_backend="torch")
+    plain = engine.generate(PROMPT, 40, mode="plain").token_ids
+    engine.calibrate()
+    sizes = {}
+    for name, per_token in (("flat", 0.0), ("steep", 0.5)):
+        costs = CostModel()
+        for t in (1, 2, 4, 8, 13):
+            costs.observe(t, 0.01 * (1 + per_token * (t - 1)))
+        engine.policy.set_costs(costs)
+        engine.policy.draft_costs["draft_head"] = DraftCost()  # free drafting: only the verify's cost decides
+        result = engine.generate(PROMPT, 40, drafters=["draft_head"], tree=TreeSize(3, 4, 12, auto=True))
+        assert result.token_ids == plain
+        sizes[name] = [e.tree_nodes for e in result.events if e.drafter == "draft_head" and e.gamma]
+    flat = sizes["flat"]  # nothing to save: all of it (the last rounds' depth is cut to the tokens left)
+    assert flat and max(flat) == 12 and flat.count(12) >= len(flat) - 3
+    assert max(sizes["steep"], default=0) < 12
+
+
+def test_a_sampled_auto_tree_is_sized_before_its_draws(tiny):
+    """At temperature > 0 a draw must not decide whether its own node is verified: tree "auto" picks a static
+    tree's size from its prior before drafting, and leaves nothing to cut afterwards."""
+    from flashspec_core.stream import StreamState
+
+    target, head = tiny
+    engine = Engine.from_models(target, [head], kernel_backend="torch")
+    s = StreamState([list(PROMPT)], SamplingConfig(temperature=1.0), 1, "speculative", ["draft_head"], 8,
+                    torch.Generator(), None)
+    shape, nodes = engine.policy.tree_plan(s, "draft_head", TreeSize(3, 4, 12, auto=True))
+    assert nodes is None and shape.auto and 1 <= shape.size <= 12
+    s.sampling = GREEDY
+    shape, nodes = engine.policy.tree_plan(s, "draft_head", TreeSize(3, 4, 12, auto=True))
+    assert shape.size == 12 and callable(nodes)
+    assert engine.policy.tree_plan(s, "draft_head", TreeSize(3, 4, 12)) == (TreeSize(3, 4, 12), None)
+
+
+def test_the_first_nodes_of_a_proposal_are_a_tree_with_their_tokens(tiny):
+    target, head = tiny
+    round_ = fresh_round(target, head)
+    rows = [list(PROMPT)]
+    round_.start(rows, GREEDY, torch.Generator(), arms=list(round_.drafters))
+    proposal = round_.drafters["draft_head"].propose_tree(rows, 3, 4, 12)
+    cut = proposal.first(5)
+    assert cut.tree.parents == proposal.tree.parents[:5] and cut.q is None
+    assert torch.equal(cut.tokens, proposal.tokens[:, :5]) and torch.equal(cut.score, proposal.score[:, :5])
