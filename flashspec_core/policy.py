@@ -5,11 +5,11 @@ once, never a tensor, so a stream is a function of its prompt, settings and seed
 """
 from __future__ import annotations
 
-from flashspec_core.bandit import speed_reward
-from flashspec_core.drafters import Drafter, NoDraft
 import math
 from dataclasses import replace
 
+from flashspec_core.bandit import speed_reward
+from flashspec_core.drafters import Drafter, NoDraft
 from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost, best_gamma, best_tree_nodes
 from flashspec_core.stream import Counterfactual, Played, StreamState
 from flashspec_core.tree import DraftTree
