@@ -5,7 +5,8 @@ tok/s on the hand-written open prompts.
 
 For each prompt (through the chat template) the embedded model decodes --max-new-tokens tokens four ways from the
 same state, each through `DeviceRound`: plain (K = 0), head chains of 4 and 6 (`run`), and head trees
-(`run_tree`, `TREES`; "auto" sized each round by the engine's policy from this machine's measured costs), ignoring end-of-text so that every row makes the same number of tokens. Greedy rows must
+(`run_tree`, `TREES`; "auto" sized each round by the engine's policy from this machine's measured costs),
+ignoring end-of-text so that every row makes the same number of tokens. Greedy rows must
 equal plain decoding token for token; at --temperature > 0 the rows are seeded samples (same seed per prompt).
 Writes JSON under benchmarks/results/ and prints a table. Numbers, not assertions.
 """

@@ -229,14 +229,14 @@ class StepProfile:
             acts = [torch.profiler.ProfilerActivity.CPU]
             acts += [torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else []
             self.prof = torch.profiler.profile(activities=acts)
-            self.prof.__enter__()
+            self.prof.start()
 
     def after(self, step: int) -> None:
         if self.prof is None or step < self.FIRST + self.steps - 1:
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.prof.__exit__(None, None, None)
+        self.prof.stop()
         key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
         for line in self.prof.key_averages().table(sort_by=key, row_limit=12).splitlines():
             self.log(f"profile: {line}")
