@@ -34,7 +34,7 @@ def head_variants(head) -> dict:
         if packing and not native.load():
             continue
         h = copy.deepcopy(head)
-        h.packed = {}
+        h.unpack()
         h.to(dtype)
         h.embed = head.embed
         if packing is not None:

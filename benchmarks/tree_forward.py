@@ -7,7 +7,9 @@ The embedded model (SmolLM2-135M) on the CPU; gguf = its own Q4_1 weights (the C
 median over --reps calls of one forward from the same cache length (the cache is cropped back before each), tokens
 drawn at random. The chain runs twice: through `forward` (the chain path) and as a chain tree through
 `forward_tree` (what the tree mask costs by itself); two trees run again with one slot's logits (logits_to_keep=1),
-which leaves the layers' share of the cost. Writes JSON under benchmarks/results/ and prints a table.
+which leaves the layers' share of the cost. On gguf every row runs twice, in the same process: with SDPA (the
+default) and with attention="ordered" (each query's visible keys in slot order: trees exact, see
+`StaticCausalLM`), where the native kernels load. Writes JSON under benchmarks/results/ and prints a table.
 Numbers, not assertions.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from statistics import median
 import torch
 
 from benchmarks.run import RESULTS, ROOT, environment
+from flashspec_core import native
 from flashspec_core.fast_path import StaticCausalLM
 from flashspec_core.models import embedded_gguf, load_model
 from flashspec_core.tree import DraftTree
@@ -72,20 +75,25 @@ def main(argv=None) -> int:
 
     model, _ = load_model("embedded", torch.device("cpu"), torch.float32)
     gguf = embedded_gguf(model.config) if args.precision == "gguf" else None
-    lm = StaticCausalLM(model, max_len=1024, gguf=gguf)
+    kinds = ["auto"] + (["ordered"] if gguf is not None and native.load() else [])
+    lms = {a: StaticCausalLM(model, max_len=1024, gguf=gguf, attention=a) for a in kinds}
     torch.manual_seed(0)
-    lm.forward(torch.randint(0, lm.vocab_size, (1, args.context)))
+    context = torch.randint(0, model.config.vocab_size, (1, args.context))
+    for lm in lms.values():
+        lm.forward(context)
     rows = []
     for name, (tree, N, keep) in TREES.items():
-        ids = torch.randint(0, lm.vocab_size, (1, N + 1))
-        ms = time_call(lm, args.context, ids, tree, keep, args.reps)
-        rows.append({"name": name, "nodes": N, "tokens": N + 1, "logits_to_keep": keep, "ms": ms})
+        ids = torch.randint(0, model.config.vocab_size, (1, N + 1))
+        row = {"name": name, "nodes": N, "tokens": N + 1, "logits_to_keep": keep}
+        row.update({f"ms_{a}": time_call(lm, args.context, ids, tree, keep, args.reps) for a, lm in lms.items()})
+        rows.append(row)
     for row in rows:
-        row["x_one_token"] = row["ms"] / rows[0]["ms"]
+        row.update({f"x_one_token_{a}": row[f"ms_{a}"] / rows[0][f"ms_{a}"] for a in kinds})
+    lm = lms["auto"]
     compact_ms = time_compact(lm, args.context, TREES["tree 4x7"][0], args.reps)
     payload = {"command": "python -m benchmarks.tree_forward " + " ".join(sys.argv[1:] if argv is None else argv),
-               "env": environment(), "path": lm.path, "context": args.context, "reps": args.reps, "rows": rows,
-               "compact_ms_tree_4x7": compact_ms}
+               "env": environment(), "path": lm.path, "attention": kinds, "context": args.context, "reps": args.reps,
+               "rows": rows, "compact_ms_tree_4x7": compact_ms}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"tree_forward_cpu_{args.precision}.json"
     out.write_text(json.dumps(payload, indent=2))
@@ -93,10 +101,11 @@ def main(argv=None) -> int:
     print(f"{env['machine']}, {env['threads']} threads, torch {env['torch']}, commit {env['commit']}; {lm.path}; "
           f"{args.context}-token context, medians of {args.reps}; {out.relative_to(ROOT)}")
     print()
-    print("| forward | nodes | tokens | ms | x 1 token |")
-    print("|---|---:|---:|---:|---:|")
+    print("| forward | nodes | tokens | " + " | ".join(f"ms ({a}) | x 1 token ({a})" for a in kinds) + " |")
+    print("|---|---:|---:|" + "---:|---:|" * len(kinds))
     for r in rows:
-        print(f"| {r['name']} | {r['nodes']} | {r['tokens']} | {r['ms']:.1f} | {r['x_one_token']:.2f} |")
+        cells = " | ".join(f"{r[f'ms_{a}']:.1f} | {r[f'x_one_token_{a}']:.2f}" for a in kinds)
+        print(f"| {r['name']} | {r['nodes']} | {r['tokens']} | {cells} |")
     print()
     print(f"compact after tree 4x7 (depth 2 path kept): {compact_ms:.2f} ms")
     return 0

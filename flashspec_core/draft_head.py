@@ -124,6 +124,8 @@ class DraftHead(nn.Module):
         self.embed = embed.detach()  # the target's (shared storage); not a parameter, not in the state dict
         self.columns = False  # inference on the CPU: "columns" products for a few tokens (see fast_path.linear)
         self.packed: dict[str, Int8Weight | Q8_0Weight] = {}  # inference only: products through packed weights (`pack`)
+        self.native_layer: list[torch.Tensor] | None = None  # the native layer's weights, where `pack` set it up
+        self._rope = torch.empty(2, 0, cfg.head_dim)  # the native layer's cos and signed sin by position (grown on use)
         D = cfg.head_dim
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -135,7 +137,7 @@ class DraftHead(nn.Module):
         ids = draft_ids.to(torch.int64).to(self.d2t.device)
         if ids.numel() != self.cfg.draft_vocab_size or ids.unique().numel() != ids.numel():
             raise ValueError(f"need {self.cfg.draft_vocab_size} distinct draft ids, got {ids.numel()}")
-        self.packed = {}
+        self.unpack()
         with torch.no_grad():
             self.lm_head.weight.copy_(self.embed[ids.to(self.embed.device)].to(self.lm_head.weight))
             self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
@@ -153,7 +155,8 @@ class DraftHead(nn.Module):
         blocks for the native kernel (`csrc/q4_1.cpp`; float32 or bfloat16 activations) where native, else int8
         with one scale per row (torch's `_weight_int8pack_mm`, bfloat16 only, about half as fast). q, k and v are one product, gate and up
         another. A drafter need not be exact: verification keeps the output exact. Training ignores it;
-        `set_draft_vocab` drops it."""
+        `set_draft_vocab` drops it. Native packing of a float32 head on the CPU also runs the whole layer as one
+        native op (`_native_step`)."""
         if not native and next(self.parameters()).dtype != torch.bfloat16:
             raise ValueError("int8 rows take bfloat16 activations: load the head in torch.bfloat16")
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
@@ -161,6 +164,23 @@ class DraftHead(nn.Module):
         self.packed = {name: make(torch.cat([m.weight.detach() for m in layers])) for name, layers in
                        {"fc": [self.fc], "qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
                         "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj], "lm_head": [self.lm_head]}.items()}
+        self.native_layer = self._native_weights() if native else None
+
+    def unpack(self) -> None:
+        """Back to the float products (drops what `pack` made)."""
+        self.packed, self.native_layer = {}, None
+
+    def _native_weights(self) -> list[torch.Tensor] | None:
+        """The native layer's 11 weights (csrc `head_layer`), or None where it cannot run this head: float32 on the
+        CPU, head_dim a multiple of 16, every product's rows a multiple of 16."""
+        layer, p = self.midlayer, self.packed
+        if (next(self.parameters()).dtype != torch.float32 or self.embed.device.type != "cpu"
+                or self.cfg.head_dim % 16 or any(p[n].shape[0] % 16 for n in ("qkv", "o", "gate_up", "down"))):
+            return None
+        norms = [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm]
+        w = [n.weight.detach().contiguous() for n in norms]
+        return [w[0], w[1], p["qkv"].packed, p["qkv"].d, p["o"].packed, p["o"].d, w[2], p["gate_up"].packed,
+                p["gate_up"].d, p["down"].packed, p["down"].d]
 
     def _product(self, name: str, x: torch.Tensor, *layers: nn.Linear):
         """x through `layers` (one input, outputs apart): the packed product `name` where packed, in x's dtype."""
@@ -235,6 +255,8 @@ class DraftHead(nn.Module):
         start = cache.length
         if mask is not None and tuple(mask.shape) != (T, start + T):
             raise ValueError(f"mask must be [T, length + T] = [{T}, {start + T}], got {tuple(mask.shape)}")
+        if self.native_layer is not None and (positions is None or positions.dim() == 1):
+            return self._native_step(cache, tokens, hidden, positions, mask)
         slots = torch.arange(start, start + T, device=tokens.device)
         q, k, v = self._qkv(tokens, hidden, slots if positions is None else positions)
         keys, values = cache.append(k, v)
@@ -242,6 +264,33 @@ class DraftHead(nn.Module):
             mask = torch.arange(start + T, device=q.device)[None, :] <= slots[:, None]  # [T, start + T]
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self._finish(hidden, attended)
+
+    def _native_step(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor,
+                     positions: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """`step` as one native op (Q8_0 products, float32, attention over each slot's visible keys in slot order:
+        a tree level gives its nodes the bits of a chain over their paths, and slots stepped together the bits of
+        slots stepped one at a time)."""
+        B, T = tokens.shape
+        cfg, start = self.cfg, cache.length
+        cache.reserve(start + T)
+        slots = cache.slots[start:start + T]
+        if mask is None:  # every cached slot, and the new ones causally
+            mask = cache.slots[:start + T][None, :] <= slots[:, None]
+        e = F.embedding(tokens, self.embed).view(B * T, -1).float()
+        out = torch.ops.flashspec.head_layer(
+            e, hidden.reshape(B * T, -1).float().contiguous(), self._rope_at(slots if positions is None else positions),
+            slots, mask.to(torch.uint8), [B, T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim], cfg.rms_norm_eps,
+            cfg.head_dim ** -0.5, self.native_layer, [cache.k, cache.v])
+        cache.length = start + T
+        return out.view(B, T, -1)
+
+    def _rope_at(self, pos: torch.Tensor) -> torch.Tensor:
+        """[2, T, D] float32: cos and the signed sin (rotate_half's sign on the first half) at positions pos [T]."""
+        if self._rope.shape[1] <= int(pos.max()):
+            cos, sin = self._rotary(torch.arange(max(2 * int(pos.max()) + 2, 256)), torch.float32)
+            half = self.cfg.head_dim // 2
+            self._rope = torch.stack([cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)])
+        return self._rope[:, pos].contiguous()
 
     def step_at(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
                 S: int) -> torch.Tensor:
@@ -307,14 +356,18 @@ class HeadCache:
         self.slots = torch.arange(capacity, device=device)  # slot positions (a captured step's mask)
         self.length = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v [B, nkv, T, D] after the valid slots (doubling the buffers when full); return the keys
-        and values of all valid slots."""
-        end = self.length + k.shape[2]
+    def reserve(self, end: int) -> None:
+        """Room for slots [0, end) (doubling the buffers when full)."""
         if end > self.k.shape[2]:
             more = max(end, 2 * self.k.shape[2]) - self.k.shape[2]
             self.k, self.v = (F.pad(x, (0, 0, 0, more)) for x in (self.k, self.v))
             self.slots = torch.arange(self.k.shape[2], device=self.k.device)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [B, nkv, T, D] after the valid slots (doubling the buffers when full); return the keys
+        and values of all valid slots."""
+        end = self.length + k.shape[2]
+        self.reserve(end)
         self.k[:, :, self.length:end] = k
         self.v[:, :, self.length:end] = v
         self.length = end

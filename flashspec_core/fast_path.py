@@ -29,7 +29,7 @@ from flashspec_core.tree import compaction
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies fixed at init (no seq_len-dependent update)
 MODES = ("auto", "on", "off")
-ATTENTION = ("auto", "math", "sdpa")
+ATTENTION = ("auto", "math", "sdpa", "ordered")
 GEMMS = ("auto", "rows", "columns")
 LOOPS = ("auto", "native", "script", "python")
 COLUMNS_MAX_TOKENS = 10  # "columns" GEMMs serve forwards of up to this many tokens (measured: rows win at 12-14)
@@ -120,6 +120,10 @@ class StaticCausalLM:
     attention: "math" = HF's eager attention op for op (scores rounded to the model dtype, softmax in float32),
     "sdpa" = F.scaled_dot_product_attention, "auto" = math for T <= max_graph_tokens (decode and verify:
     HF-eager numerics; on an H200 as fast as SDPA at a 512-token context, faster at 2000), sdpa beyond.
+    "ordered" (the GGUF path's native loop only): each query reads the keys its mask leaves visible in slot order
+    (`csrc/q4_1.cpp` ordered_attention), so a draft tree's node gets the bits of one-token steps along its path,
+    where SDPA sums a node's scattered keys in other blocks and can flip a greedy near-tie; it costs more than
+    SDPA per context token (benchmarks/CPU_NOTES.md).
     prefill_chunk: longer forwards (prompts) run eagerly in chunks of this many tokens, which bounds the
     attention mask and activations.
     fuse: one GEMM for q/k/v and one for gate/up over copies of those weights concatenated here (extra memory:
@@ -237,12 +241,21 @@ class StaticCausalLM:
         if loop not in LOOPS:
             raise ValueError(f"unknown loop {loop!r}; expected one of {list(LOOPS)}")
         biases = any(l.self_attn.o_proj.bias is not None or l.mlp.down_proj.bias is not None for l in model.model.layers)
-        if not self.gguf or self.attention != "sdpa" or biases or loop == "python":
+        if self.attention == "ordered":
+            if not self.gguf or loop not in ("auto", "native") or biases or not native.load():
+                raise ValueError("attention='ordered' runs on the GGUF path's native loop only "
+                                 f"({native.why_not() or 'gguf, loop auto or native, no o/down biases'})")
+            loop = "native"
+        if not self.gguf or self.attention not in ("sdpa", "ordered") or biases or loop == "python":
             return "python"
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         if loop == "auto":
-            return "native" if native.load() and torch.ops.flashspec.vnni() else "script"
+            return "native" if native.load() and torch.ops.flashspec.vnni() and head_dim % 16 == 0 else "script"
         if loop == "native" and not native.load():
             raise ValueError(f"the native kernels are unavailable: {native.why_not()}; use loop='script'")
+        if loop == "native" and head_dim % 16:
+            raise ValueError(f"the native loop needs a head_dim that is a multiple of 16, not {head_dim}; use loop='script'")
         return loop
 
     def _make_loop(self):
@@ -252,8 +265,9 @@ class StaticCausalLM:
             weights = [t for l in self.layers for t in (l.input_norm, l.qkv.weight.packed, l.qkv.weight.dm, l.o.packed,
                        l.o.dm, l.post_norm, l.gate_up.weight.packed, l.gate_up.weight.dm, l.down.packed, l.down.dm)]
             op = torch.ops.flashspec.gguf_layers
+            ordered = self.attention == "ordered"
             return lambda x, cos, sin, pos, mask, S, shape, aux: (
-                x, op(x, cos, sin, pos, mask, S, shape, self.eps, self.scaling, weights, self.kv_cache, aux))
+                x, op(x, cos, sin, pos, mask, S, shape, self.eps, self.scaling, weights, self.kv_cache, aux, ordered))
         if self.loop == "script":
             weights = [[l.input_norm, l.qkv.weight.packed, l.qkv.weight.scales_zeros, l.o.packed, l.o.scales_zeros,
                         l.post_norm, l.gate_up.weight.packed, l.gate_up.weight.scales_zeros, l.down.packed,
@@ -487,7 +501,7 @@ class StaticCausalLM:
         B, T = ids.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         R = H // KV  # query heads per kv head
-        if self.gguf and _lone_tail(R * T) and int(pos[-1]) + 1 < self.capacity:
+        if self.gguf and self.attention != "ordered" and _lone_tail(R * T) and int(pos[-1]) + 1 < self.capacity:
             return self._with_scratch(ids, rope, pos, mask, S, keep)
         x = F.embedding(ids, self.embed).view(B * T, -1)  # [B*T, hidden], the residual stream, updated in place
         cos, sin = self.cos[rope][:, None, :], self.sin[rope][:, None, :]  # [T, 1, D]

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).resolve().parent / "csrc" / "q4_1.cpp"]
+FLAGS = ["-O3", "-march=native", "-std=c++17", "-ffp-contract=off"]  # no fused multiply-adds but the written ones
 _state: dict = {}  # "ok": bool, "why": str; set by the first load()
 
 
@@ -36,7 +37,7 @@ def _build_dir() -> Path:
     h = hashlib.sha256()
     for src in SOURCES:
         h.update(src.read_bytes())
-    h.update(f"{torch.__version__} {sys.version} {_cpu_signature()}".encode())
+    h.update(f"{torch.__version__} {sys.version} {_cpu_signature()} {FLAGS}".encode())
     return cache_dir() / "native" / h.hexdigest()[:16]
 
 
@@ -44,7 +45,7 @@ def _compile(out: Path) -> None:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     cxx = os.environ.get("CXX", "c++")
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+    cmd = [cxx, *FLAGS, "-shared", "-fPIC", "-fopenmp",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *[f"-I{p}" for p in include_paths()], *map(str, SOURCES),
            *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu", "-o", str(out)]

