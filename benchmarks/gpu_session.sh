@@ -7,7 +7,7 @@
 #   resume:  train on from /root/ckpt (TRAIN_ARGS, e.g. --train-minutes 8)
 # The broad draft head (the GGUF in three parts, since the tracked tree is ~30 MB of the 64 MiB a call carries):
 #   p1:      stash GGUF part 1 and the wheels (.carry/p1), then time the data's generation (gen_probe --rows) at each
-#            of PROBE_BATCHES
+#            of PROBE_BATCHES (set and empty: stash only)
 #   p2:      stash GGUF part 2 (.carry/p2)
 #   old:     stash corpora of earlier runs (.carry/old*/NAME/corpus-NNN.safetensors) in /root/old/NAME, for
 #            TRAIN_ARGS="--set earlier=/root/old/NAME,..." (their data trains with the new run's)
@@ -90,7 +90,7 @@ resume)
   python3 -m flashspec_core.train_head --ckpt /root/ckpt --out "" --resume ${TRAIN_ARGS:-} 2>&1 | grep -v -i "loading weights" | tee "$OUT/train_resume.log" | tail -40
   bring_back ;;
 p1)
-  for b in ${PROBE_BATCHES:-2048}; do
+  for b in ${PROBE_BATCHES-2048}; do  # PROBE_BATCHES= (empty): stash only
     timeout 200 python3 -m benchmarks.gen_probe --rows --new 256 --batch $b ${PROBE_ARGS:-} 2>&1 | grep -v Warning | tee -a "$OUT/gen_probe.log"
   done ;;
 p2)
