@@ -174,8 +174,9 @@ class DraftHead(nn.Module):
         """The native layer's 11 weights (csrc `head_layer`), or None where it cannot run this head: float32 on the
         CPU, head_dim a multiple of 16 up to 128, every product's rows a multiple of 16."""
         layer, p = self.midlayer, self.packed
-        if (next(self.parameters()).dtype != torch.float32 or self.embed.device.type != "cpu"
-                or self.cfg.head_dim % 16 or self.cfg.head_dim > 128 or any(p[n].shape[0] % 16 for n in ("qkv", "o", "gate_up", "down"))):
+        shapes_fit = self.cfg.head_dim % 16 == 0 and self.cfg.head_dim <= 128 and all(
+            p[n].shape[0] % 16 == 0 for n in ("qkv", "o", "gate_up", "down"))
+        if not shapes_fit or next(self.parameters()).dtype != torch.float32 or self.embed.device.type != "cpu":
             return None
         norms = [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm]
         w = [n.weight.detach().contiguous() for n in norms]
