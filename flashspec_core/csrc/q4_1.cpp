@@ -423,9 +423,8 @@ void rope_scatter(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor
 // ------------------------------------------------------------------------------------------------------------
 // Attention in the keys' own order
 //
-// Each query reads only the slots its mask shows, gathered in slot order, and every sum runs over that list in
-// that order: a token's output depends on which keys it sees, never on where they sit in the cache or on how many
-// queries share the call. So a draft tree (a node's ancestors at scattered slots) gives the bits of one-token steps
+// Every sum runs over the cache slots in slot order, and the slots a query's mask hides add exact zeros: a token's
+// output depends on which keys it sees, never on where they sit in the cache or on how many queries share the call. So a draft tree (a node's ancestors at scattered slots) gives the bits of one-token steps
 // along the node's path, as a chain verify does.
 
 // 16 float32 lanes as a GCC/Clang vector (one 512-bit register with AVX-512): every lane computes alike, so a value
@@ -510,7 +509,7 @@ struct Attention {
   float scale;
 };
 
-constexpr int64_t TOKENS = 8;  // tokens of one kv head attended together (each key widened once for all of them)
+constexpr int64_t TOKENS = 8;  // tokens of one kv head attended together (one work item)
 constexpr int64_t QUERIES = 4;  // queries scored together against a block of 16 keys
 
 // The first n cache slots of one kv head, widened to float32: keys transposed in blocks of 16 (kt[b * D + d]:
@@ -588,9 +587,9 @@ void weigh(float* row, const Keys& keys, int64_t D, float* out) {
   }
 }
 
-// Tokens [t0, t0 + nt) of kv head g, row bb, with their R query heads each: softmax(scale * q k^T) v over the slots
-// each one sees (of keys, that head's first slots). Every sum runs over the slots in order and the slots a query does
-// not see add exact zeros, so a query's output is that of its own visible keys in slot order, whoever shares the call.
+// Tokens [t0, t0 + nt) of kv head g, row bb, with their R query heads each: softmax(scale * q k^T) v over the slots of
+// `keys` (that head's) each token sees. Every sum runs over the slots in order and the slots a query does not see add
+// exact zeros, so a query's output is that of its own visible keys in slot order, whoever shares the call.
 template <typename C>
 void attend_tokens(const Attention<C>& a, const Keys& keys, int64_t bb, int64_t g, int64_t t0, int64_t nt) {
   // query j: query head j / nt of token t0 + j % nt
