@@ -58,6 +58,7 @@ class TrainConfig:
     earlier: str = ""  # corpus folders of earlier runs (comma-separated), joined to this run's for training
     gen_dtype: str = "auto"  # the generating copy's dtype ("auto": bfloat16 on CUDA); training reads float32 features
     autocast: bool = True  # training and evaluation matmuls in bfloat16 on CUDA (float32 weights and optimizer)
+    compile_loss: bool = True  # on CUDA: the loss's passes over the draft vocabulary fused by torch.compile
     train_minutes: float = 12.0
     total_minutes: float = 0.0  # if set, training gets what is left of this budget (from the start) after the data
     eval_every_s: float = 45.0
@@ -102,11 +103,13 @@ def pad(corpus: Corpus, idx: list[int], max_len: int, device):
 @torch.no_grad()
 def target_side(model, ids: torch.Tensor, aux_layers, draft_ids: torch.Tensor):
     """The target's aux features [B, T, F], its next-token distribution on the draft vocabulary [B, T, Vd]
-    (temperature 1, not renormalised) and its argmax over the whole vocabulary [B, T]."""
+    (temperature 1, not renormalised: exp of the draft ids' logits less the whole vocabulary's log-sum-exp, so no
+    full-width softmax is written) and its argmax over the whole vocabulary [B, T]."""
     out = model(input_ids=ids, output_hidden_states=True)
     features = torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1).float()
-    logits = out.logits.float()
-    probs = logits.softmax(dim=-1)[..., draft_ids]
+    logits = out.logits
+    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    probs = (logits[..., draft_ids].float() - lse).exp()
     return features, probs, logits.argmax(dim=-1)
 
 
@@ -120,17 +123,71 @@ def valid(lengths, starts, T: int, j: int) -> torch.Tensor:
 # Loss and evaluation
 
 
-def pass_loss(head: DraftHead, outs: list[torch.Tensor], probs: torch.Tensor, lengths, starts,
-              cfg: TrainConfig) -> torch.Tensor:
-    """Weighted cross-entropy of every pass against the target's distribution at the position it predicts."""
-    T = probs.shape[1]
+class SoftCrossEntropy(torch.autograd.Function):
+    """Per row, the cross-entropy -sum_v p_v log softmax(z)_v of z = x @ W^T (W frozen) against a target law p
+    given as pw = p @ W and s = sum_v p_v: s * logsumexp(z) - x . pw. Nothing [rows, V] is kept but z (the
+    matrix product's own output): no log-probabilities, no products with p; backward recomputes softmax(z).
+    The products run in bfloat16 where autocast is on (as `nn.Linear` would), the rest in float32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, pw, s):
+        dt = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
+        w = weight.to(dt)
+        z = x.to(dt) @ w.t()  # [N, V]
+        lse = LSE(z)
+        ctx.save_for_backward(x, w, z, lse, pw, s)
+        return s * lse - (x.to(pw.dtype) * pw).sum(-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, z, lse, pw, s = ctx.saved_tensors
+        grad_z = SCALED_SOFTMAX(z, lse, g * s).to(w.dtype)
+        grad_x = (grad_z @ w).to(pw.dtype) - g[:, None] * pw
+        return grad_x.to(x.dtype), None, None, None
+
+
+def _wide(z: torch.Tensor) -> torch.Tensor:
+    return z.to(torch.promote_types(z.dtype, torch.float32))  # bfloat16 -> float32; float64 stays
+
+
+def _lse(z: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(_wide(z), dim=-1)
+
+
+def _scaled_softmax(z: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (_wide(z) - lse[:, None]).exp() * scale[:, None]
+
+
+LSE, SCALED_SOFTMAX = _lse, _scaled_softmax  # torch.compile'd on CUDA by `compile_loss` (one fused pass each)
+
+
+def compile_loss(enabled: bool) -> None:
+    """Fuse the loss's two passes over [rows, V] (log-sum-exp; the scaled softmax of backward) with torch.compile,
+    shapes dynamic; `False` puts the eager functions back."""
+    global LSE, SCALED_SOFTMAX
+    wrap = (lambda f: torch.compile(f, dynamic=True)) if enabled else (lambda f: f)
+    LSE, SCALED_SOFTMAX = wrap(_lse), wrap(_scaled_softmax)
+
+
+def soft_targets(head: DraftHead, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's laws on the draft vocabulary [B, T, V] as the loss reads them: p @ W [B, T, H] and sum p [B, T],
+    in float32 (autocast off: one product a step, and backward subtracts it from softmax(z) @ W)."""
+    with torch.autocast(probs.device.type, enabled=False):
+        return probs.float() @ head.lm_head.weight.float(), probs.sum(-1)
+
+
+def pass_loss(head: DraftHead, outs: list[torch.Tensor], target, lengths, starts, cfg: TrainConfig) -> torch.Tensor:
+    """Weighted cross-entropy of every pass against the target's distribution at the position it predicts
+    (`target`: `soft_targets` of the target's laws)."""
+    pw, s = target
+    T = s.shape[1]
     total, weight = 0.0, 0.0
     for j, h in enumerate(outs[:T - 1]):
         mask = valid(lengths, starts, T, j)
         if not mask.any():
             continue
-        logp = head.logits(h[:, :T - 1 - j][mask]).log_softmax(dim=-1)  # [N, Vd]
-        ce = -(probs[:, 1 + j:][mask] * logp).sum(dim=-1).mean()
+        x = head.norm(h[:, :T - 1 - j][mask])  # [N, H]
+        ce = SoftCrossEntropy.apply(x, head.lm_head.weight, pw[:, 1 + j:][mask], s[:, 1 + j:][mask]).mean()
         total = total + cfg.step_decay ** j * ce
         weight += cfg.step_decay ** j
     return total / max(weight, 1e-9)
@@ -139,7 +196,9 @@ def pass_loss(head: DraftHead, outs: list[torch.Tensor], probs: torch.Tensor, le
 def step_loss(head: DraftHead, model, batch, cfg: TrainConfig) -> torch.Tensor:
     ids, lengths, starts = batch
     features, probs, _ = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
-    return pass_loss(head, head.ttt_forward(features, ids, cfg.ttt_steps), probs, lengths, starts, cfg)
+    target = soft_targets(head, probs)
+    del probs
+    return pass_loss(head, head.ttt_forward(features, ids, cfg.ttt_steps), target, lengths, starts, cfg)
 
 
 def agreement(head: DraftHead, logits: torch.Tensor, p: torch.Tensor, top: torch.Tensor):
@@ -162,7 +221,7 @@ def evaluate(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device) -
         ids, lengths, starts = pad(corpus, idx, cfg.max_len, device)
         features, probs, top = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
         outs = head.ttt_forward(features, ids, K)
-        losses.append(float(pass_loss(head, outs, probs, lengths, starts, cfg)))
+        losses.append(float(pass_loss(head, outs, soft_targets(head, probs), lengths, starts, cfg)))
         W = ids.shape[1] - K  # slots whose K passes fit
         if W <= 0:
             continue
@@ -255,6 +314,7 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device, log=
     tokens = curve[-1]["tokens_seen"] if curve else 0
     base_step = curve[-1]["step"] if curve else 0
     next_eval, losses, profile = 0.0, [], StepProfile(cfg.profile_steps, log)
+    compile_loss(cfg.compile_loss and torch.device(device).type == "cuda")
     while time.monotonic() - t0 < budget:
         for idx in batches(corpus, corpus.split(heldout=False), cfg, rng):
             elapsed = time.monotonic() - t0

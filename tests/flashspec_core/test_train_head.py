@@ -9,8 +9,9 @@ import torch
 from flashspec_core import Engine
 from flashspec_core.draft_head import load_head
 from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary
-from flashspec_core.train_head import (TrainConfig, batches, earlier_corpora, export, load_checkpoint, load_corpus, make_corpus, merge,
-                                       new_head, pad, save_checkpoint, save_corpus, step_loss, train)
+from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, batches, compile_loss, earlier_corpora, export,
+                                       load_checkpoint, load_corpus, make_corpus, merge, new_head, pad, save_checkpoint,
+                                       save_corpus, step_loss, train)
 
 CFG = TrainConfig(topic_asks_per_domain=1, materials=8, bank_prompts=40, self_prompts=4, follow_ups=4, max_new_tokens=10,
                   gen_batch=64, round_answers=32, draft_vocab=256, ttt_steps=3, batch_tokens=512, max_len=256,
@@ -104,6 +105,44 @@ def test_draft_vocabulary_is_the_most_frequent_answer_tokens():
     assert ids.tolist() == [2, 5, 7]  # end of turn first, then by count (prompt tokens 9, 9 and 1 not counted)
     assert coverage(c, ids, heldout=False) == pytest.approx(7 / 8)  # answers 5 5 5 7 3 and 5 7 2
     assert len(merge([c, c])) == 4
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_fused_soft_cross_entropy_and_its_gradient_are_the_written_out_ones(compiled):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(300, 16, generator=g, dtype=torch.float64)
+    p = torch.randn(37, 300, generator=g, dtype=torch.float64).softmax(-1) * 0.9  # not renormalised, like the target's
+    weights = torch.rand(37, generator=g, dtype=torch.float64)  # a non-uniform upstream gradient
+    ref = -(p * (x @ W.t()).log_softmax(-1)).sum(-1)
+    (gx_ref,) = torch.autograd.grad((ref * weights).sum(), x)
+    compile_loss(compiled)
+    try:
+        got = SoftCrossEntropy.apply(x, W, p @ W, p.sum(-1))
+        (gx,) = torch.autograd.grad((got * weights).sum(), x)
+    finally:
+        compile_loss(False)
+    assert torch.allclose(got, ref, rtol=1e-10, atol=1e-10) and torch.allclose(gx, gx_ref, rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(gx, gx_ref + 1e-6)  # the comparison sees a change this small
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fused_loss_compiled_under_autocast_on_cuda_is_the_written_out_one():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 64, generator=g, device="cuda", requires_grad=True)
+    W = torch.randn(1000, 64, generator=g, device="cuda") * 0.3
+    p = torch.randn(300, 1000, generator=g, device="cuda").softmax(-1) * 0.9
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = -(p * torch.nn.functional.linear(x, W).log_softmax(-1)).sum(-1)
+    (gx_ref,) = torch.autograd.grad(ref.mean(), x)
+    compile_loss(True)
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = SoftCrossEntropy.apply(x, W, p @ W, p.sum(-1))
+        (gx,) = torch.autograd.grad(got.mean(), x)
+    finally:
+        compile_loss(False)
+    assert torch.allclose(got, ref, rtol=1e-2) and float((gx - gx_ref).norm() / gx_ref.norm()) < 2e-2
 
 
 def test_a_few_steps_lower_the_loss_on_a_batch(tiny, corpus):
