@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flashspec_core.fast_path import linear
+from flashspec_core.fast_path import head_size, linear
 from flashspec_core.gguf_weights import Int8Weight, Q8_0Weight, int8_rows, q8_0_rows
 
 CONFIG_FILE, WEIGHTS_FILE, CARD_FILE = "config.json", "model.safetensors", "card.json"
@@ -70,7 +70,7 @@ class HeadConfig:
         rope = dict(getattr(config, "rope_parameters", None) or {})
         return cls(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                    num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                   head_dim=head_size(config),
                    rms_norm_eps=float(config.rms_norm_eps), rope_theta=float(rope.get("rope_theta", 10000.0)),
                    vocab_size=config.vocab_size, draft_vocab_size=int(draft_vocab_size), aux_layers=aux,
                    target_layers=L, max_position_embeddings=int(config.max_position_embeddings))

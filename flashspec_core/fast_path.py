@@ -42,6 +42,11 @@ DEFAULT_MAX_LEN = 4096
 # Support check and factory
 
 
+def head_size(config) -> int:
+    """A Llama-family config's attention head size (its own `head_dim`, else hidden size / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def is_supported(model) -> tuple[bool, str]:
     """(True, "") when `StaticCausalLM` reproduces `model` exactly; else (False, why not)."""
     name = type(model).__name__
@@ -211,7 +216,7 @@ class StaticCausalLM:
         config = model.config
         self.n_heads = config.num_attention_heads
         self.n_kv = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.head_dim = head_size(config)
         self.scaling = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
         self.embed = model.model.embed_tokens.weight
@@ -250,8 +255,7 @@ class StaticCausalLM:
             loop = "native"
         if not self.gguf or self.attention not in ("sdpa", "ordered") or biases or loop == "python":
             return "python"
-        c = self.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        head_dim = head_size(self.config)
         if loop == "auto":
             fits = head_dim % 16 == 0 and head_dim <= 128
             return "native" if fits and native.load() and torch.ops.flashspec.vnni() else "script"
