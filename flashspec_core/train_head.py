@@ -91,12 +91,13 @@ def batches(corpus: Corpus, indices: list[int], cfg: TrainConfig, rng: random.Ra
 
 
 def pad(corpus: Corpus, idx: list[int], max_len: int, device):
-    """ids [B, T] (right-padded with 0), lengths [B], answer starts [B]."""
+    """ids [B, T] (right-padded with 0) on `device`; lengths [B] and answer starts [B] on the host, so that what
+    depends on them (the loss's rows, token counts) never waits for the device."""
     seqs = [corpus.sequences[i][:max_len] for i in idx]
     T = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs], device=device)
-    lengths = torch.tensor([len(s) for s in seqs], device=device)
-    starts = torch.tensor([corpus.starts[i] for i in idx], device=device)
+    ids = torch.tensor([s + [0] * (T - len(s)) for s in seqs]).to(device, non_blocking=True)
+    lengths = torch.tensor([len(s) for s in seqs])
+    starts = torch.tensor([corpus.starts[i] for i in idx])
     return ids, lengths, starts
 
 
@@ -117,6 +118,19 @@ def valid(lengths, starts, T: int, j: int) -> torch.Tensor:
     """[B, T - 1 - j] bool: slot t's pass j predicts token t + 2 + j, which exists and is part of the answer."""
     token = torch.arange(T - 1 - j, device=lengths.device)[None, :] + 2 + j
     return (token < lengths[:, None]) & (token >= starts[:, None])
+
+
+def answer_rows(lengths, starts, T: int, passes: int, device) -> list[torch.Tensor]:
+    """Per pass j (those that fit in T), the flat rows b * T + t of [B * T] whose pass j predicts an answer token
+    (`valid`), found on the host and sent to `device` without a sync (the boolean masks they replace each made
+    the host wait for the device twice)."""
+    out = []
+    for j in range(min(passes, T - 1)):
+        b, t = valid(lengths, starts, T, j).nonzero(as_tuple=True)
+        rows = b * T + t
+        cuda = torch.device(device).type == "cuda"
+        out.append((rows.pin_memory() if cuda else rows).to(device, non_blocking=True))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -176,18 +190,19 @@ def soft_targets(head: DraftHead, probs: torch.Tensor) -> tuple[torch.Tensor, to
         return probs.float() @ head.lm_head.weight.float(), probs.sum(-1)
 
 
-def pass_loss(head: DraftHead, outs: list[torch.Tensor], target, lengths, starts, cfg: TrainConfig) -> torch.Tensor:
+def pass_loss(head: DraftHead, outs: list[torch.Tensor], target, rows: list[torch.Tensor],
+              cfg: TrainConfig) -> torch.Tensor:
     """Weighted cross-entropy of every pass against the target's distribution at the position it predicts
-    (`target`: `soft_targets` of the target's laws)."""
-    pw, s = target
-    T = s.shape[1]
+    (`target`: `soft_targets` of the target's laws; `rows`: `answer_rows`)."""
+    B, T, H = target[0].shape
+    pw, s = target[0].reshape(B * T, H), target[1].reshape(B * T)
     total, weight = 0.0, 0.0
-    for j, h in enumerate(outs[:T - 1]):
-        mask = valid(lengths, starts, T, j)
-        if not mask.any():
+    for j, (h, r) in enumerate(zip(outs, rows)):
+        if r.numel() == 0:  # known on the host
             continue
-        x = head.norm(h[:, :T - 1 - j][mask])  # [N, H]
-        ce = SoftCrossEntropy.apply(x, head.lm_head.weight, pw[:, 1 + j:][mask], s[:, 1 + j:][mask]).mean()
+        x = head.norm(h.reshape(B * T, -1).index_select(0, r))  # [N, H]: slot t of row b
+        ce = SoftCrossEntropy.apply(x, head.lm_head.weight, pw.index_select(0, r + 1 + j),  # position t + 1 + j
+                                    s.index_select(0, r + 1 + j)).mean()
         total = total + cfg.step_decay ** j * ce
         weight += cfg.step_decay ** j
     return total / max(weight, 1e-9)
@@ -195,10 +210,11 @@ def pass_loss(head: DraftHead, outs: list[torch.Tensor], target, lengths, starts
 
 def step_loss(head: DraftHead, model, batch, cfg: TrainConfig) -> torch.Tensor:
     ids, lengths, starts = batch
+    rows = answer_rows(lengths, starts, ids.shape[1], cfg.ttt_steps, ids.device)
     features, probs, _ = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
     target = soft_targets(head, probs)
     del probs
-    return pass_loss(head, head.ttt_forward(features, ids, cfg.ttt_steps), target, lengths, starts, cfg)
+    return pass_loss(head, head.ttt_forward(features, ids, cfg.ttt_steps), target, rows, cfg)
 
 
 def agreement(head: DraftHead, logits: torch.Tensor, p: torch.Tensor, top: torch.Tensor):
@@ -221,11 +237,12 @@ def evaluate(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device) -
         ids, lengths, starts = pad(corpus, idx, cfg.max_len, device)
         features, probs, top = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
         outs = head.ttt_forward(features, ids, K)
-        losses.append(float(pass_loss(head, outs, soft_targets(head, probs), lengths, starts, cfg)))
+        rows = answer_rows(lengths, starts, ids.shape[1], K, device)
+        losses.append(float(pass_loss(head, outs, soft_targets(head, probs), rows, cfg)))
         W = ids.shape[1] - K  # slots whose K passes fit
         if W <= 0:
             continue
-        slots = valid(lengths, starts, ids.shape[1], K - 1)[:, :W]  # ... and all predict answer tokens
+        slots = valid(lengths, starts, ids.shape[1], K - 1)[:, :W].to(device)  # ... and all predict answer tokens
         hits, alphas = [], []
         for j, h in enumerate(outs):
             hit, alpha = agreement(head, head.logits(h[:, :W]), probs[:, 1 + j:1 + j + W], top[:, 1 + j:1 + j + W])
@@ -265,14 +282,14 @@ def lr_at(step: int, fraction: float, cfg: TrainConfig) -> float:
     return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction))))
 
 
-def train_step(head: DraftHead, model, batch, cfg: TrainConfig, opt, params) -> float:
+def train_step(head: DraftHead, model, batch, cfg: TrainConfig, opt, params) -> torch.Tensor:
     with autocast(cfg, next(model.parameters()).device):
         loss = step_loss(head, model, batch, cfg)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
-    return loss.item()
+    return loss.detach()  # read when the curve is logged, not every step (a read waits for the device)
 
 
 class StepProfile:
@@ -320,7 +337,7 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device, log=
             elapsed = time.monotonic() - t0
             if elapsed >= next_eval or elapsed >= budget:
                 point = {"step": base_step + step, "seconds": round(elapsed, 1), "tokens_seen": tokens,
-                         "train_loss": sum(losses) / len(losses) if losses else None,
+                         "train_loss": float(torch.stack(losses).mean()) if losses else None,
                          **evaluate_in(cfg, device, head, model, corpus)}
                 curve.append(point)
                 log(json.dumps(point))

@@ -9,9 +9,9 @@ import torch
 from flashspec_core import Engine
 from flashspec_core.draft_head import load_head
 from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary
-from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, batches, compile_loss, earlier_corpora, export,
-                                       load_checkpoint, load_corpus, make_corpus, merge, new_head, pad, save_checkpoint,
-                                       save_corpus, step_loss, train)
+from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, answer_rows, batches, compile_loss, earlier_corpora,
+                                       export, load_checkpoint, load_corpus, make_corpus, merge, new_head, pad, pass_loss,
+                                       save_checkpoint, save_corpus, soft_targets, step_loss, train, valid)
 
 CFG = TrainConfig(topic_asks_per_domain=1, materials=8, bank_prompts=40, self_prompts=4, follow_ups=4, max_new_tokens=10,
                   gen_batch=64, round_answers=32, draft_vocab=256, ttt_steps=3, batch_tokens=512, max_len=256,
@@ -162,6 +162,28 @@ def test_a_few_steps_lower_the_loss_on_a_batch(tiny, corpus):
     curve = train(head, model, corpus, CFG, "cpu", log=lambda m: None)
     assert curve and {"loss", "greedy_tokens_per_forward", "t1_tokens_per_forward", "top1_per_pass"} <= set(curve[-1])
     assert torch.equal(model.get_input_embeddings().weight, embed_before)  # the target is never trained
+
+
+def test_the_loss_reads_the_answer_slots_each_pass_predicts(tiny, corpus):
+    model, _ = tiny
+    head = new_head(model, corpus, CFG, [2])
+    ids, lengths, starts = pad(corpus, batches(corpus, corpus.split(False), CFG, random.Random(1))[0], CFG.max_len, "cpu")
+    assert lengths.device.type == "cpu" and (starts > 1).all()  # prompts are left out of the loss
+    T, K = ids.shape[1], CFG.ttt_steps
+    torch.manual_seed(0)
+    outs = [torch.randn(*ids.shape, head.cfg.hidden_size) for _ in range(K)]
+    probs = torch.rand(*ids.shape, CFG.draft_vocab).softmax(-1) * torch.rand(*ids.shape, 1)  # masses differ by slot
+    ref, weight = 0.0, 0.0  # the boolean masks, written out
+    for j, h in enumerate(outs):
+        mask = valid(lengths, starts, T, j)
+        logp = head.logits(h[:, :T - 1 - j][mask]).log_softmax(-1)
+        ref = ref + CFG.step_decay ** j * -(probs[:, 1 + j:][mask] * logp).sum(-1).mean()
+        weight += CFG.step_decay ** j
+    rows = answer_rows(lengths, starts, T, K, "cpu")
+    got = pass_loss(head, outs, soft_targets(head, probs), rows, CFG)
+    assert torch.allclose(got, ref / weight, rtol=1e-5)
+    shifted = [r[1:] for r in rows]  # one slot fewer per pass: a different loss
+    assert not torch.allclose(pass_loss(head, outs, soft_targets(head, probs), shifted, CFG), ref / weight, rtol=1e-5)
 
 
 def test_checkpoint_and_export_load_back_and_draft_exactly(tiny, corpus, tmp_path):
