@@ -20,6 +20,8 @@
 #   r1:      stash part 1 (.carry/p1), the captured round's tests and the tree kernel's on CUDA
 #   r2:      stash part 2 (.carry/p2), the verify kernel's tests on CUDA
 #   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s)
+#   step:    the layer-op kernels' tests on CUDA and one forward's kernels with the torch ops and with them
+#            (benchmarks.gpu_step --layer-ops torch triton); no GGUF needed
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
 #            (the export goes to /root/head_out, never to $OUT: its 29 MB model file cannot come back; the float32
 #            shards in $OUT/ckpt can, and `train_head --resume --train-minutes 0` exports them here), with the
@@ -133,5 +135,9 @@ r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RU
     timeout ${RUN_TIMEOUT:-280} python3 -m benchmarks.run --preset embedded $args 2>&1 | grep -v -i "loading weights\|de-quantizing\|clean_up_tokenization" | tail -${RUN_TAIL:-30}
   done <<< "${RUN_ARGS:-}"
   cp benchmarks/results/engine_embedded_cuda*.json benchmarks/results/engine_embedded_cuda*.csv "$OUT/" 2>/dev/null ;;
-*) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, old, ckpt, headgo, resumego, watch, shards, r1, r2 or r3" >&2; exit 2 ;;
+step)  # issue 15's plain step: the layer-op kernels (tests, then the captured forward with and without them)
+  python3 -m pytest tests/kernels/test_layer_ops.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_layer_ops_cuda.log" | tail -3
+  python3 -m benchmarks.gpu_step --layer-ops torch triton --tokens 1 4 8 2>&1 | tee "$OUT/gpu_step.log" | tail -30
+  cp benchmarks/results/gpu_step_*.json "$OUT/" 2>/dev/null ;;
+*) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, old, ckpt, headgo, resumego, watch, shards, r1, r2, r3 or step" >&2; exit 2 ;;
 esac

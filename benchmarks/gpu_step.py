@@ -1,12 +1,13 @@
 """What one forward of the embedded model's shape costs on a GPU, and where: the captured step as it is, its kernels
 by name, and the same step compiled by `torch.compile` (Inductor's fused kernels, replayed in our own CUDA graph).
 
-    python -m benchmarks.gpu_step [--tokens 1 7] [--context 256] [--no-compile]
+    python -m benchmarks.gpu_step [--tokens 1 7] [--context 256] [--no-compile] [--layer-ops torch triton]
 
 Random weights in the SmolLM2-135M shape (30 layers, hidden 576, 9 query and 3 key/value heads, vocabulary 49152),
 bfloat16, `StaticCausalLM` (static cache, fused q/k/v and gate/up). For each token count T: the replay time of the
 captured forward over a `--context`-slot bucket (median of 200 replays, CUDA events), the kernels one eager
 forward launches (count, and the slowest names by total time), then the compiled forward captured the same way.
+`--layer-ops triton` measures the step with `kernels.layer_ops` (one row per choice, the same weights).
 Writes JSON under benchmarks/results/ and prints a table. Numbers, not assertions. CUDA only.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from benchmarks.run import RESULTS, environment
 from flashspec_core.fast_path import StaticCausalLM
 
 
-def build(max_len: int = 1024) -> StaticCausalLM:
+def build(max_len: int = 1024, layer_ops: str = "torch") -> StaticCausalLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -31,7 +32,7 @@ def build(max_len: int = 1024) -> StaticCausalLM:
                       rope_theta=100000.0, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
-    return StaticCausalLM(model, max_len=max_len)
+    return StaticCausalLM(model, max_len=max_len, layer_ops=layer_ops)
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 200) -> float:
@@ -104,25 +105,29 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 7])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--layer-ops", nargs="*", default=["torch"], choices=["torch", "triton"])
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_step needs CUDA")
-    lm = build()
-    rows = [measure(lm, T, args.context, not args.no_compile) for T in args.tokens]
+    rows = []
+    for ops in args.layer_ops:
+        lm = build(layer_ops=ops)
+        rows += [{"layer_ops": ops, **measure(lm, T, args.context, not args.no_compile)} for T in args.tokens]
+        del lm
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"gpu_step_{torch.cuda.get_device_name().replace(' ', '-').lower()}.json"
     out.write_text(json.dumps({"command": "python -m benchmarks.gpu_step " + " ".join(sys.argv[1:] if argv is None else argv),
                                "env": environment(), "rows": rows}, indent=2))
-    print("| tokens | graph ms | kernels | compiled graph ms | compiled kernels | compile s | max logit diff |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| layer ops | tokens | graph ms | kernels | compiled graph ms | compiled kernels | compile s | max logit diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         c = r.get("compiled_kernels", {})
-        print(f"| {r['tokens']} | {r['graph_ms']:.3f} | {r['eager_kernels']['count']} | {r.get('compiled_graph_ms', 0):.3f} | "
+        print(f"| {r['layer_ops']} | {r['tokens']} | {r['graph_ms']:.3f} | {r['eager_kernels']['count']} | {r.get('compiled_graph_ms', 0):.3f} | "
               f"{c.get('count', '-')} | {r.get('compile_s', 0):.0f} | {r.get('compiled_max_logit_diff', 0):.3g} |")
     for r in rows:
         for kind in ("eager_kernels", "compiled_kernels"):
             if kind in r:
-                print(f"\nT={r['tokens']} {kind}: " + "; ".join(f"{k['name']} x{k['calls']} {k['ms']:.3f} ms" for k in r[kind]["top"]))
+                print(f"\n{r['layer_ops']} T={r['tokens']} {kind}: " + "; ".join(f"{k['name']} x{k['calls']} {k['ms']:.3f} ms" for k in r[kind]["top"]))
     return 0
 
 

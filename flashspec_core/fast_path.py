@@ -16,6 +16,7 @@ kept positions on the host).
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 from typing import Dict, List, Tuple
 
 import torch
@@ -25,6 +26,7 @@ from flashspec_core import native
 from flashspec_core.gguf_weights import GROUP, PACKED, GGUFFile, Int4Weight, Int8Weight, Q4_1Weight, int8_rows
 from flashspec_core.models import CausalLM
 from flashspec_core.tree import compaction
+from kernels import layer_ops as layer_ops_kernels
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies fixed at init (no seq_len-dependent update)
@@ -32,6 +34,11 @@ MODES = ("auto", "on", "off")
 ATTENTION = ("auto", "math", "sdpa", "ordered")
 GEMMS = ("auto", "rows", "columns")
 LOOPS = ("auto", "native", "script", "python")
+LAYER_OPS = {"torch": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache_torch,
+                                      silu_mul=layer_ops_kernels.silu_mul_torch,
+                                      rms_norm=layer_ops_kernels.rms_norm_torch),
+             "triton": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache,
+                                       silu_mul=layer_ops_kernels.silu_mul, rms_norm=layer_ops_kernels.rms_norm)}
 COLUMNS_MAX_TOKENS = 10  # "columns" GEMMs serve forwards of up to this many tokens (measured: rows win at 12-14)
 MAX_GRAPH_TOKENS = 33  # verify of K + 1 tokens, K <= 32
 SLACK = 33  # cache slots past max_len: a draft model runs up to K tokens ahead of the target's window
@@ -156,7 +163,8 @@ class StaticCausalLM:
     def __init__(self, model, vocab_size: int | None = None, *, max_len: int | None = None,
                  use_graphs: bool | None = None, ctx_buckets: tuple[int, ...] | None = None,
                  max_graph_tokens: int = MAX_GRAPH_TOKENS, attention: str = "auto", prefill_chunk: int = 512,
-                 fuse: bool = True, gemm: str = "auto", gguf: GGUFFile | None = None, loop: str = "auto"):
+                 fuse: bool = True, gemm: str = "auto", gguf: GGUFFile | None = None, loop: str = "auto",
+                 layer_ops: str = "torch"):
         ok, reason = is_supported(model)
         if not ok:
             raise ValueError(f"StaticCausalLM cannot run this model: {reason}")
@@ -192,6 +200,7 @@ class StaticCausalLM:
             self.path = "static (GGUF Q4_1 weights, bfloat16 activations)"
         self.fuse = bool(fuse)
         self.loop = self._pick_loop(model, loop)
+        self.ops = self._pick_ops(layer_ops)
         if self.gguf and attention == "auto" and self.loop == "native":
             self.attention = "ordered"  # each query's keys in slot order: tree verifies equal one-token steps
         if self.loop == "native":
@@ -265,6 +274,19 @@ class StaticCausalLM:
             raise ValueError(f"the native loop needs a head_dim that is a multiple of 16 up to 128, not {head_dim}; "
                              "use loop='script'")
         return loop
+
+    def _pick_ops(self, layer_ops: str):
+        """The python loop's small ops (rotary and the cache write, SiLU * up, RMSNorm): the torch ops, or
+        `kernels.layer_ops`' Triton kernels (CUDA, not the GGUF path)."""
+        if layer_ops not in LAYER_OPS:
+            raise ValueError(f"unknown layer_ops {layer_ops!r}; expected one of {list(LAYER_OPS)}")
+        if layer_ops == "triton":
+            import os
+            on = self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+            if not (on and layer_ops_kernels.triton is not None and not self.gguf):
+                raise ValueError("layer_ops='triton' needs CUDA (or TRITON_INTERPRET=1), triton and a model that is "
+                                 "not on the GGUF path")
+        return LAYER_OPS[layer_ops]
 
     def _make_loop(self):
         """f(x, cos, sin, pos, mask, S, shape, aux_layers) -> (x, aux list) running every layer (see `_layers`), or
@@ -481,7 +503,9 @@ class StaticCausalLM:
 
         Per layer at T = 1 (B = 1, math attention) this launches 19 ops: norm 2, qkv GEMM 1, rotary 4, cache write 1,
         attention 4 (mask copy + scaled GEMM, softmax, GEMM), o GEMM into the residual 1, norm 2, gate/up GEMM 1,
-        SiLU and multiply 2, down GEMM into the residual 1. At T > 1 two reshapes of q and o add a copy each.
+        SiLU and multiply 2, down GEMM into the residual 1. At T > 1 two reshapes of q and o add a copy each. With
+        `layer_ops="triton"` each norm, the rotary with the cache write and q's layout, and SiLU * up are one kernel:
+        12 a layer (13 at T > 1).
         """
         # GQA without repeating K/V: the R query heads of a kv head become R * T query rows (row r * T + t)
         visible = self.slots[:S][None, :] <= pos.repeat(self.n_heads // self.n_kv)[:, None]  # [R*T, S]
@@ -512,9 +536,9 @@ class StaticCausalLM:
         if self.gguf and self.attention != "ordered" and _lone_tail(R * T) and int(pos[-1]) + 1 < self.capacity:
             return self._with_scratch(ids, rope, pos, mask, S, keep)
         x = F.embedding(ids, self.embed).view(B * T, -1)  # [B*T, hidden], the residual stream, updated in place
-        cos, sin = self.cos[rope][:, None, :], self.sin[rope][:, None, :]  # [T, 1, D]
+        cos, sin = self.cos[rope], self.sin[rope]  # [T, D]
         if self._loop is not None:
-            x, aux = self._loop(x, cos, sin, pos, mask, S, [B, T, H, KV, D], list(self.aux_layers))
+            x, aux = self._loop(x, cos[:, None], sin[:, None], pos, mask, S, [B, T, H, KV, D], list(self.aux_layers))
             x = x.view(B, T, -1)[:, T - keep:]  # the native LM head quantises float32 rows itself
             x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps) if self.loop == "native" else self._rms_norm(x, self.norm)
             aux = torch.cat(aux, dim=-1).view(B, T, -1) if aux else None
@@ -526,19 +550,14 @@ class StaticCausalLM:
             if i in self.aux_layers:
                 aux[i] = x.clone()
             h = self._rms_norm(x, layer.input_norm)
-            qkv = layer.qkv(h, columns).view(B, T, H + 2 * KV, D)  # q, k, v heads side by side
-            qk = qkv[:, :, :H + KV]  # one rotary pass for q and k, in place
-            rot = qk.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)  # halves swapped: rotate_half up to sign
-            qk.mul_(cos).add_(rot.mul_(sin))  # HF's q * cos + rotate_half(q) * sin, exactly (sin carries the sign)
-            kv = qkv[:, :, H:].view(B, T, 2, KV, D).permute(2, 0, 3, 1, 4)  # [2, B, KV, T, D]
-            self.kv_cache[i].index_copy_(3, pos, kv)  # k and v in one write
-            q = qkv[:, :, :H].view(B, T, KV, R, D).permute(0, 2, 3, 1, 4).reshape(B, KV, R * T, D)
+            # q, k, v heads side by side; HF's q * cos + rotate_half(q) * sin (sin carries the sign), k and v into
+            # the cache at pos, q as [B, KV, R*T, D]
+            q = self.ops.rope_and_cache(layer.qkv(h, columns), cos, sin, pos, self.kv_cache[i], (B, T, H, KV, D))
             o = self._attend(q, self.k_cache[i][:, :, :S], self.v_cache[i][:, :, :S], mask, math)
             o = o.view(B, KV, R, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
             _add_linear_(x, o, layer.o, layer.o_bias, columns)
             h = self._rms_norm(x, layer.post_norm)
-            gate, up = layer.gate_up(h, columns).chunk(2, dim=-1)
-            _add_linear_(x, F.silu(gate, inplace=True).mul_(up), layer.down, layer.down_bias, columns)
+            _add_linear_(x, self.ops.silu_mul(layer.gate_up(h, columns)), layer.down, layer.down_bias, columns)
         x = self._rms_norm(x.view(B, T, -1)[:, T - keep:], self.norm)
         aux = torch.cat([aux[i] for i in self.aux_layers], dim=-1).view(B, T, -1) if aux else None  # in aux order
         return linear(x, self.lm_head, self.lm_head_bias, columns), aux
@@ -559,7 +578,7 @@ class StaticCausalLM:
         GGUF weights: the float32 residual stream normalised and scaled in float32, then rounded to bfloat16."""
         if self.gguf:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps).to(self.dtype)
-        return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        return self.ops.rms_norm(x, weight, self.eps)
 
 
 def gguf_layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, S: int,

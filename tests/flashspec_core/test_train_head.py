@@ -9,9 +9,10 @@ import torch
 from flashspec_core import Engine
 from flashspec_core.draft_head import load_head
 from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary
-from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, answer_rows, batches, compile_loss, earlier_corpora,
-                                       export, load_checkpoint, load_corpus, make_corpus, merge, new_head, pad, pass_loss,
-                                       save_checkpoint, save_corpus, soft_targets, step_loss, train, valid)
+from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, answer_rows, batches, compile_loss,
+                                       earlier_corpora, export, load_checkpoint, load_corpus, make_corpus, merge,
+                                       new_head, pad, pass_loss, save_checkpoint, save_corpus, soft_targets,
+                                       step_loss, train, valid)
 
 CFG = TrainConfig(topic_asks_per_domain=1, materials=8, bank_prompts=40, self_prompts=4, follow_ups=4, max_new_tokens=10,
                   gen_batch=64, round_answers=32, draft_vocab=256, ttt_steps=3, batch_tokens=512, max_len=256,
@@ -167,7 +168,8 @@ def test_a_few_steps_lower_the_loss_on_a_batch(tiny, corpus):
 def test_the_loss_reads_the_answer_slots_each_pass_predicts(tiny, corpus):
     model, _ = tiny
     head = new_head(model, corpus, CFG, [2])
-    ids, lengths, starts = pad(corpus, batches(corpus, corpus.split(False), CFG, random.Random(1))[0], CFG.max_len, "cpu")
+    first_batch = batches(corpus, corpus.split(False), CFG, random.Random(1))[0]
+    ids, lengths, starts = pad(corpus, first_batch, CFG.max_len, "cpu")
     assert lengths.device.type == "cpu" and (starts > 1).all()  # prompts are left out of the loss
     T, K = ids.shape[1], CFG.ttt_steps
     torch.manual_seed(0)

@@ -1,0 +1,66 @@
+"""The layer's small-op kernels (kernels/layer_ops.py) against the torch ops they replace: rotary, the cache
+write and q's layout bit for bit; silu * up and the RMSNorm within one rounding of the activations' dtype."""
+import pytest
+import torch
+
+from kernels import layer_ops
+
+SHAPE = (2, 3, 9, 3, 64)  # B, T, H, KV, D: the embedded model's heads, a 3-token verify
+
+
+def rotary(T, D, dtype, device):
+    inv = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float32, device=device) / D)
+    freqs = torch.arange(40, 40 + T, device=device, dtype=torch.float32)[:, None] * inv
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin()
+    sin[:, :D // 2] *= -1  # signed: rotate_half up to sign, as the layer's tables
+    return emb.cos().to(dtype), sin.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_the_cache_write_and_q_layout_are_the_torch_ops_bits(device, dtype):
+    B, T, H, KV, D = SHAPE
+    g = torch.Generator(device=device).manual_seed(0)
+    qkv = torch.randn(B * T, (H + 2 * KV) * D, generator=g, device=device).to(dtype)
+    kv = torch.randn(2, B, KV, 16, D, generator=g, device=device).to(dtype)
+    cos, sin = rotary(T, D, dtype, device)
+    pos = torch.tensor([9, 4, 11], device=device)  # tree slots need not be in order
+    kv_ref = kv.clone()
+    q_ref = layer_ops.rope_and_cache_torch(qkv.clone(), cos, sin, pos, kv_ref, SHAPE)
+    q = layer_ops.rope_and_cache(qkv, cos, sin, pos, kv, SHAPE)
+    assert torch.equal(q, q_ref) and torch.equal(kv, kv_ref)
+    assert not torch.equal(kv[:, :, :, pos], torch.zeros_like(kv[:, :, :, pos]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_and_rms_norm_are_the_torch_ops_within_a_rounding(device, dtype):
+    g = torch.Generator(device=device).manual_seed(1)
+    gate_up = (3 * torch.randn(5, 2 * 1536, generator=g, device=device)).to(dtype)
+    x = torch.randn(5, 576, generator=g, device=device).to(dtype)
+    w = (1 + torch.randn(576, generator=g, device=device) / 4).to(dtype)
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -20
+    torch.testing.assert_close(layer_ops.silu_mul(gate_up), layer_ops.silu_mul_torch(gate_up), rtol=ulp, atol=ulp)
+    torch.testing.assert_close(layer_ops.rms_norm(x, w, 1e-5), layer_ops.rms_norm_torch(x, w, 1e-5), rtol=ulp, atol=ulp)
+    swapped = torch.cat(gate_up.chunk(2, dim=-1)[::-1], dim=-1)  # up and gate the other way round: another result
+    assert not torch.allclose(layer_ops.silu_mul(swapped), layer_ops.silu_mul_torch(gate_up), rtol=ulp, atol=ulp)
+
+
+def test_the_model_with_the_kernels_gives_the_torch_ops_logits_and_greedy_tokens(device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flashspec_core.fast_path import StaticCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).to(device).eval()
+    ids = torch.randint(0, 97, (1, 9), device=device)
+    runs = {}
+    for ops in ("torch", "triton"):
+        fast = StaticCausalLM(model, max_len=64, use_graphs=False, layer_ops=ops)
+        logits = [fast.forward(ids)[:, -1]]
+        for _ in range(4):  # greedy steps of one token
+            logits.append(fast.forward(logits[-1].argmax(-1, keepdim=True))[:, -1])
+        runs[ops] = torch.stack(logits)
+    torch.testing.assert_close(runs["triton"], runs["torch"], rtol=1e-4, atol=1e-4)
+    assert torch.equal(runs["triton"].argmax(-1), runs["torch"].argmax(-1))
