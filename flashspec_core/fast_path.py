@@ -15,6 +15,7 @@ kept positions on the host).
 """
 from __future__ import annotations
 
+import os
 import warnings
 from types import SimpleNamespace
 from typing import Dict, List, Tuple
@@ -281,7 +282,6 @@ class StaticCausalLM:
         if layer_ops not in LAYER_OPS:
             raise ValueError(f"unknown layer_ops {layer_ops!r}; expected one of {list(LAYER_OPS)}")
         if layer_ops == "triton":
-            import os
             on = self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
             if not (on and layer_ops_kernels.triton is not None and not self.gguf):
                 raise ValueError("layer_ops='triton' needs CUDA (or TRITON_INTERPRET=1), triton and a model that is "

@@ -124,11 +124,10 @@ def answer_rows(lengths, starts, T: int, passes: int, device) -> list[torch.Tens
     """Per pass j (those that fit in T), the flat rows b * T + t of [B * T] whose pass j predicts an answer token
     (`valid`), found on the host and sent to `device` without a sync (the boolean masks they replace each made
     the host wait for the device twice)."""
-    out = []
+    out, cuda = [], torch.device(device).type == "cuda"
     for j in range(min(passes, T - 1)):
         b, t = valid(lengths, starts, T, j).nonzero(as_tuple=True)
         rows = b * T + t
-        cuda = torch.device(device).type == "cuda"
         out.append((rows.pin_memory() if cuda else rows).to(device, non_blocking=True))
     return out
 
@@ -201,8 +200,8 @@ def pass_loss(head: DraftHead, outs: list[torch.Tensor], target, rows: list[torc
         if r.numel() == 0:  # known on the host
             continue
         x = head.norm(h.reshape(B * T, -1).index_select(0, r))  # [N, H]: slot t of row b
-        ce = SoftCrossEntropy.apply(x, head.lm_head.weight, pw.index_select(0, r + 1 + j),  # position t + 1 + j
-                                    s.index_select(0, r + 1 + j)).mean()
+        at = r + 1 + j  # position t + 1 + j: the target's law there is of the token pass j predicts
+        ce = SoftCrossEntropy.apply(x, head.lm_head.weight, pw.index_select(0, at), s.index_select(0, at)).mean()
         total = total + cfg.step_decay ** j * ce
         weight += cfg.step_decay ** j
     return total / max(weight, 1e-9)
