@@ -80,14 +80,12 @@ if triton is not None:
         c, s = tl.load(cos_ptr + t * D + d).to(tl.float32), tl.load(sin_ptr + t * D + d).to(tl.float32)
         dt = x.dtype
         turned = _round(_round(x.to(tl.float32) * c, dt) + _round(partner * s, dt), dt).to(dt)
-        R: tl.constexpr = H // KV
         slot = tl.load(pos_ptr + t)
         kind = (head - H) // KV  # 0: k, 1: v (for q heads negative)
         kvh = (head - H) % KV
         cache_at = kv_ptr + (((kind * B + b) * KV + kvh) * capacity + slot) * D
-        q_at = q_ptr + (((b * KV + head // R) * R + head % R) * T + t) * D
-        is_q = head < H
-        dst = tl.where(is_q, q_at, cache_at)
+        q_at = q_ptr + ((b * H + head) * T + t) * D  # [B, KV, R*T, D] is [B, H, T, D]: head h = kv head h // R
+        dst = tl.where(head < H, q_at, cache_at)
         tl.store(dst + d, tl.where(head < H + KV, turned, x))
 
     @triton.jit
