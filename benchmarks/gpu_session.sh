@@ -19,7 +19,8 @@
 # The captured round (issue 15), the GGUF in three parts likewise:
 #   r1:      stash part 1 (.carry/p1), the captured round's tests and the tree kernel's on CUDA
 #   r2:      stash part 2 (.carry/p2), the verify kernel's tests on CUDA
-#   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s)
+#   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s;
+#            leading NAME=value words set that run's environment)
 #   step:    the layer-op kernels' tests on CUDA and one forward's kernels with the torch ops and with them
 #            (benchmarks.gpu_step --layer-ops torch triton); no GGUF needed
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
@@ -122,9 +123,10 @@ old)
   ls -laR /root/old ;;
 shards)
   ls -la /root/ckpt; for n in ${SHARDS:-}; do cp /root/ckpt/corpus-$n.safetensors "$OUT/"; done ;;
-r1)  # the captured round (issue 15): stash GGUF part 1 (.carry/p1), its tests and the tree kernel's on CUDA
+r1)  # the captured round (issue 15): stash GGUF part 1 (.carry/p1), its tests, the fast path's, the layer ops' and the tree kernel's on CUDA
   python3 -m pytest tests/flashspec_core/test_captured.py tests/flashspec_core/test_round.py tests/kernels/test_tree_verify.py \
-    -q -p no:cacheprovider -x 2>&1 | tee "$OUT/pytest_captured_cuda.log" | tail -15 ;;
+    tests/flashspec_core/test_fast_path.py tests/kernels/test_layer_ops.py \
+    -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_captured_cuda.log" | tail -15 ;;
 r2)  # stash GGUF part 2 (.carry/p2), and the verify kernel's tests on CUDA
   python3 -m pytest tests/kernels/test_verify.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_verify_cuda.log" | tail -5 ;;
 r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RUN_ARGS: one run per line)
@@ -132,12 +134,15 @@ r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RU
   while IFS= read -r args; do
     [ -z "$args" ] && continue
     echo "== benchmarks.run $args"
-    timeout ${RUN_TIMEOUT:-280} python3 -m benchmarks.run --preset embedded $args 2>&1 | grep -v -i "loading weights\|de-quantizing\|clean_up_tokenization" | tail -${RUN_TAIL:-30}
+    set -- $args; envs=()  # leading NAME=value words are the run's environment (e.g. FLASHSPEC_LAYER_OPS=torch)
+    while [[ "${1:-}" == *=* ]]; do envs+=("$1"); shift; done
+    timeout ${RUN_TIMEOUT:-280} env "${envs[@]}" python3 -m benchmarks.run --preset embedded "$@" 2>&1 \
+      | grep -v -i "loading weights\|de-quantizing\|clean_up_tokenization" | tail -${RUN_TAIL:-30}
   done <<< "${RUN_ARGS:-}"
   cp benchmarks/results/engine_embedded_cuda*.json benchmarks/results/engine_embedded_cuda*.csv "$OUT/" 2>/dev/null ;;
 step)  # issue 15's plain step: the layer-op kernels (tests, then the captured forward with and without them)
   python3 -m pytest tests/kernels/test_layer_ops.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_layer_ops_cuda.log" | tail -3
-  python3 -m benchmarks.gpu_step --layer-ops torch triton --tokens 1 4 8 2>&1 | tee "$OUT/gpu_step.log" | tail -30
+  python3 -m benchmarks.gpu_step --layer-ops torch triton --tokens 1 8 --context 512 2>&1 | tee "$OUT/gpu_step.log" | tail -30
   cp benchmarks/results/gpu_step_*.json "$OUT/" 2>/dev/null ;;
 *) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, old, ckpt, headgo, resumego, watch, shards, r1, r2, r3 or step" >&2; exit 2 ;;
 esac

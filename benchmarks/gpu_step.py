@@ -1,7 +1,7 @@
 """What one forward of the embedded model's shape costs on a GPU, and where: the captured step as it is, its kernels
 by name, and the same step compiled by `torch.compile` (Inductor's fused kernels, replayed in our own CUDA graph).
 
-    python -m benchmarks.gpu_step [--tokens 1 7] [--context 256] [--no-compile] [--layer-ops torch triton]
+    python -m benchmarks.gpu_step [--tokens 1 7] [--context 256] [--no-compile | --compile-tokens 1] [--layer-ops torch triton]
 
 Random weights in the SmolLM2-135M shape (30 layers, hidden 576, 9 query and 3 key/value heads, vocabulary 49152),
 bfloat16, `StaticCausalLM` (static cache, fused q/k/v and gate/up). For each token count T: the replay time of the
@@ -80,6 +80,18 @@ def kernels(fn, *args, top: int = 8) -> dict:
             "top": [{"name": n, "calls": len(t), "ms": sum(t)} for n, t in ranked]}
 
 
+def compiled_row(lm: StaticCausalLM, ids, pos, S: int, T: int) -> dict:
+    fn = torch.compile(lm._forward, dynamic=False)
+    t0 = time.perf_counter()
+    fn(ids, pos, S, T)
+    torch.cuda.synchronize()
+    row = {"compile_s": time.perf_counter() - t0, "compiled_graph_ms": replay_ms(capture(fn, ids, pos, S, T)),
+           "compiled_kernels": kernels(fn, ids, pos, S, T)}
+    logits = lm._forward(ids, pos, S, T)[0].float()
+    row["compiled_max_logit_diff"] = float((fn(ids, pos, S, T)[0].float() - logits).abs().max())
+    return row
+
+
 @torch.inference_mode()
 def measure(lm: StaticCausalLM, T: int, S: int, compiled: bool) -> dict:
     ids = torch.randint(0, 49152, (1, T), device="cuda")
@@ -88,16 +100,19 @@ def measure(lm: StaticCausalLM, T: int, S: int, compiled: bool) -> dict:
     row["graph_ms"] = replay_ms(capture(lm._forward, ids, pos, S, T))
     row["eager_kernels"] = kernels(lm._forward, ids, pos, S, T)
     if compiled:
-        fn = torch.compile(lm._forward, dynamic=False)
-        t0 = time.perf_counter()
-        fn(ids, pos, S, T)
-        torch.cuda.synchronize()
-        row["compile_s"] = time.perf_counter() - t0
-        row["compiled_graph_ms"] = replay_ms(capture(fn, ids, pos, S, T))
-        row["compiled_kernels"] = kernels(fn, ids, pos, S, T)
-        logits = lm._forward(ids, pos, S, T)[0].float()
-        row["compiled_max_logit_diff"] = float((fn(ids, pos, S, T)[0].float() - logits).abs().max())
+        try:
+            row.update(compiled_row(lm, ids, pos, S, T))
+        except Exception as e:  # noqa: BLE001 - a failed compile is a result (Inductor and user kernels)
+            row["compile_error"] = f"{type(e).__name__}: {str(e).splitlines()[-1][:300]}"
+    row["logits"] = lm._forward(ids, pos, S, T)[0].float()  # compared across layer ops in main, then dropped
     return row
+
+
+def write(rows: list[dict], argv) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"gpu_step_{torch.cuda.get_device_name().replace(' ', '-').lower()}.json"
+    command = "python -m benchmarks.gpu_step " + " ".join(sys.argv[1:] if argv is None else argv)
+    out.write_text(json.dumps({"command": command, "env": environment(), "rows": rows}, indent=2))
 
 
 def main(argv=None) -> int:
@@ -105,29 +120,36 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 7])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--compile-tokens", type=int, nargs="*", default=[1], help="token counts also compiled")
     ap.add_argument("--layer-ops", nargs="*", default=["torch"], choices=["torch", "triton"])
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_step needs CUDA")
-    rows = []
+    rows, first = [], {}
     for ops in args.layer_ops:
         lm = build(layer_ops=ops)
-        rows += [{"layer_ops": ops, **measure(lm, T, args.context, not args.no_compile)} for T in args.tokens]
+        for T in args.tokens:
+            row = {"layer_ops": ops, **measure(lm, T, args.context, not args.no_compile and T in args.compile_tokens)}
+            logits = row.pop("logits")
+            row["max_logit_diff_vs_first"] = float((logits - first.setdefault(T, logits)).abs().max())
+            rows.append(row)
+            write(rows, argv)  # after each row: a later failure keeps what was measured
         del lm
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"gpu_step_{torch.cuda.get_device_name().replace(' ', '-').lower()}.json"
-    out.write_text(json.dumps({"command": "python -m benchmarks.gpu_step " + " ".join(sys.argv[1:] if argv is None else argv),
-                               "env": environment(), "rows": rows}, indent=2))
-    print("| layer ops | tokens | graph ms | kernels | compiled graph ms | compiled kernels | compile s | max logit diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| layer ops | tokens | graph ms | kernels | logit diff vs first | compiled graph ms | compiled kernels "
+          "| compile s | compiled logit diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         c = r.get("compiled_kernels", {})
-        print(f"| {r['layer_ops']} | {r['tokens']} | {r['graph_ms']:.3f} | {r['eager_kernels']['count']} | {r.get('compiled_graph_ms', 0):.3f} | "
-              f"{c.get('count', '-')} | {r.get('compile_s', 0):.0f} | {r.get('compiled_max_logit_diff', 0):.3g} |")
+        print(f"| {r['layer_ops']} | {r['tokens']} | {r['graph_ms']:.3f} | {r['eager_kernels']['count']} | "
+              f"{r['max_logit_diff_vs_first']:.3g} | {r.get('compiled_graph_ms', 0):.3f} | {c.get('count', '-')} | "
+              f"{r.get('compile_s', 0):.0f} | {r.get('compiled_max_logit_diff', 0):.3g} |")
+        if "compile_error" in r:
+            print(f"  compile failed: {r['compile_error']}")
     for r in rows:
         for kind in ("eager_kernels", "compiled_kernels"):
             if kind in r:
-                print(f"\n{r['layer_ops']} T={r['tokens']} {kind}: " + "; ".join(f"{k['name']} x{k['calls']} {k['ms']:.3f} ms" for k in r[kind]["top"]))
+                top = "; ".join(f"{k['name']} x{k['calls']} {k['ms']:.3f} ms" for k in r[kind]["top"])
+                print(f"\n{r['layer_ops']} T={r['tokens']} {kind}: {top}")
     return 0
 
 

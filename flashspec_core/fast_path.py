@@ -35,11 +35,6 @@ MODES = ("auto", "on", "off")
 ATTENTION = ("auto", "math", "sdpa", "ordered")
 GEMMS = ("auto", "rows", "columns")
 LOOPS = ("auto", "native", "script", "python")
-LAYER_OPS = {"torch": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache_torch,
-                                      silu_mul=layer_ops_kernels.silu_mul_torch,
-                                      rms_norm=layer_ops_kernels.rms_norm_torch),
-             "triton": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache,
-                                       silu_mul=layer_ops_kernels.silu_mul, rms_norm=layer_ops_kernels.rms_norm)}
 COLUMNS_MAX_TOKENS = 10  # "columns" GEMMs serve forwards of up to this many tokens (measured: rows win at 12-14)
 MAX_GRAPH_TOKENS = 33  # verify of K + 1 tokens, K <= 32
 SLACK = 33  # cache slots past max_len: a draft model runs up to K tokens ahead of the target's window
@@ -165,7 +160,7 @@ class StaticCausalLM:
                  use_graphs: bool | None = None, ctx_buckets: tuple[int, ...] | None = None,
                  max_graph_tokens: int = MAX_GRAPH_TOKENS, attention: str = "auto", prefill_chunk: int = 512,
                  fuse: bool = True, gemm: str = "auto", gguf: GGUFFile | None = None, loop: str = "auto",
-                 layer_ops: str = "torch"):
+                 layer_ops: str = "auto"):
         ok, reason = is_supported(model)
         if not ok:
             raise ValueError(f"StaticCausalLM cannot run this model: {reason}")
@@ -277,8 +272,15 @@ class StaticCausalLM:
         return loop
 
     def _pick_ops(self, layer_ops: str):
-        """The python loop's small ops (rotary and the cache write, SiLU * up, RMSNorm): the torch ops, or
-        `kernels.layer_ops`' Triton kernels (CUDA, not the GGUF path)."""
+        """The python loop's small ops (rotary and the cache write, attention, SiLU * up, RMSNorm): the torch ops,
+        or `kernels.layer_ops`' Triton kernels (CUDA, not the GGUF path). "auto": the kernels on CUDA where they
+        take the model's heads, else torch; the environment's FLASHSPEC_LAYER_OPS=torch|triton overrides it (A/B)."""
+        config = self.config
+        if layer_ops == "auto":
+            fits = layer_ops_kernels.supported(config.num_attention_heads, config.num_key_value_heads,
+                                               head_size(config))
+            kernels = self.device.type == "cuda" and layer_ops_kernels.triton is not None and not self.gguf and fits
+            layer_ops = os.environ.get("FLASHSPEC_LAYER_OPS") or ("triton" if kernels else "torch")
         if layer_ops not in LAYER_OPS:
             raise ValueError(f"unknown layer_ops {layer_ops!r}; expected one of {list(LAYER_OPS)}")
         if layer_ops == "triton":
@@ -286,6 +288,7 @@ class StaticCausalLM:
             if not (on and layer_ops_kernels.triton is not None and not self.gguf):
                 raise ValueError("layer_ops='triton' needs CUDA (or TRITON_INTERPRET=1), triton and a model that is "
                                  "not on the GGUF path")
+            self.path += ", Triton layer ops"
         return LAYER_OPS[layer_ops]
 
     def _make_loop(self):
@@ -504,8 +507,8 @@ class StaticCausalLM:
         Per layer at T = 1 (B = 1, math attention) this launches 19 ops: norm 2, qkv GEMM 1, rotary 4, cache write 1,
         attention 4 (mask copy + scaled GEMM, softmax, GEMM), o GEMM into the residual 1, norm 2, gate/up GEMM 1,
         SiLU and multiply 2, down GEMM into the residual 1. At T > 1 two reshapes of q and o add a copy each. With
-        `layer_ops="triton"` each norm, the rotary with the cache write and q's layout, and SiLU * up are one kernel:
-        12 a layer (13 at T > 1).
+        `layer_ops="triton"` each norm, the rotary with the cache write and q's layout, and SiLU * up are one kernel
+        and the attention two (chunks, merge): 10 a layer at any T.
         """
         # GQA without repeating K/V: the R query heads of a kv head become R * T query rows (row r * T + t)
         visible = self.slots[:S][None, :] <= pos.repeat(self.n_heads // self.n_kv)[:, None]  # [R*T, S]
@@ -553,8 +556,7 @@ class StaticCausalLM:
             # q, k, v heads side by side; HF's q * cos + rotate_half(q) * sin (sin carries the sign), k and v into
             # the cache at pos, q as [B, KV, R*T, D]
             q = self.ops.rope_and_cache(layer.qkv(h, columns), cos, sin, pos, self.kv_cache[i], (B, T, H, KV, D))
-            o = self._attend(q, self.k_cache[i][:, :, :S], self.v_cache[i][:, :, :S], mask, math)
-            o = o.view(B, KV, R, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
+            o = self._attend(q, self.k_cache[i][:, :, :S], self.v_cache[i][:, :, :S], mask, math, (B, T, H, KV, D))
             _add_linear_(x, o, layer.o, layer.o_bias, columns)
             h = self._rms_norm(x, layer.post_norm)
             _add_linear_(x, self.ops.silu_mul(layer.gate_up(h, columns)), layer.down, layer.down_bias, columns)
@@ -562,16 +564,14 @@ class StaticCausalLM:
         aux = torch.cat([aux[i] for i in self.aux_layers], dim=-1).view(B, T, -1) if aux else None  # in aux order
         return linear(x, self.lm_head, self.lm_head_bias, columns), aux
 
-    def _attend(self, q, k, v, mask, math: bool) -> torch.Tensor:
-        """q [B, KV, R*T, D] over k, v [B, KV, S, D] with the additive mask [R*T, S] -> [B, KV, R*T, D]."""
-        if not math:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-        # HF's eager_attention_forward (scores * scaling + mask, softmax in float32, cast, @ v) in fewer ops:
-        # one GEMM scales and adds the mask (copied into its output first), softmax rounds straight to q's dtype
-        B, KV, RT, D = q.shape
-        q, k, v = q.reshape(B * KV, RT, D), k.reshape(B * KV, -1, D), v.reshape(B * KV, -1, D)
-        scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=self.scaling)  # [B*KV, R*T, S]
-        return torch.bmm(F.softmax(scores, dim=-1), v).view(B, KV, RT, D)
+    def _attend(self, q, k, v, mask, math: bool, shape) -> torch.Tensor:
+        """q [B, KV, R*T, D] over k, v [B, KV, S, D] with the additive mask [R*T, S] -> o [B*T, H*D] (token-major):
+        HF's eager attention (`layer_ops`) for decode and verify, SDPA beyond."""
+        if math:
+            return self.ops.attention(q, k, v, mask, self.scaling, shape)
+        B, T, H, KV, D = shape
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        return o.view(B, KV, H // KV, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """HF's RMSNorm: normalise in float32 (rms_norm upcasts half inputs), round to x's dtype, then scale.
@@ -655,6 +655,16 @@ def _add_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: t
     if bias is None and not isinstance(weight, PACKED) and not _use_columns(columns, a):
         return x.addmm_(a, weight.t())
     return x.add_(linear(a, weight, bias, columns))
+
+
+# The layer's ops by `layer_ops`: torch's, or kernels.layer_ops' Triton kernels (see StaticCausalLM._forward)
+LAYER_OPS = {"torch": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache_torch,
+                                      attention=layer_ops_kernels.attention_torch,
+                                      silu_mul=layer_ops_kernels.silu_mul_torch,
+                                      rms_norm=layer_ops_kernels.rms_norm_torch),
+             "triton": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache,
+                                       attention=layer_ops_kernels.attention,
+                                       silu_mul=layer_ops_kernels.silu_mul, rms_norm=layer_ops_kernels.rms_norm)}
 
 
 class _Projection:

@@ -2,17 +2,23 @@
 
     rope_and_cache(qkv, cos, sin, pos, kv, shape) -> q   rotary on q and k, k and v written into the cache at
                                                            `pos`, q laid out for attention: one kernel for six
+    attention(q, k, v, mask, scaling, shape) -> o          masked attention (softmaxes over chunks of keys, merged),
+                                                           o laid out for the o projection: two for four (five at
+                                                           T > 1)
     silu_mul(gate_up) -> silu(gate) * up                   one kernel for two
     rms_norm(x, weight, eps)                               HF's RMSNorm (float32, round, scale): one for two
 
 A one-token step of a small model is bound by how many kernels it launches (about 19 a layer, ~2 us each inside a
-CUDA graph), not by its weights; these take a layer to about 11. Every kernel treats each token on its own, so a
-verify of K tokens computes each token exactly as a one-token step does. The roundings are the torch ops': the
-rotary rounds x * cos and the swapped half * sin to the activations' dtype before their sum, as the in-place torch
-ops do, and the tests check the kernels bit for bit (rotary, cache, layout) or within a rounding (silu, the norm's
-sum order) under TRITON_INTERPRET=1 and on a GPU.
+CUDA graph), not by its weights; these take a layer to 10 (4 of them cuBLAS's products). Every kernel treats each token on its own, so a verify of K tokens computes each token exactly as a
+one-token step does. The roundings are the torch ops': the rotary rounds x * cos and the swapped half * sin to the
+activations' dtype before their sum, as the in-place torch ops do (and runs without fused multiply-adds, which the
+GPU's compiler would otherwise form), and the tests check the kernels bit for bit (rotary, cache, layout) or within
+a rounding (the norm's sum order, silu, the attention's softmax) under TRITON_INTERPRET=1 and on
+a GPU.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +57,17 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
+def attention_torch(q, k, v, mask, scaling: float, shape) -> torch.Tensor:
+    """q [B, KV, R*T, D] (row r * T + t) over k, v [B, KV, S, D] with the additive mask [R*T, S] -> o [B*T, H*D]
+    (token-major, head kv * R + r: the o projection's input). HF's eager attention (scores * scaling + mask,
+    softmax in float32, rounded, @ v) in four ops: one GEMM scales and adds the mask (copied into its output)."""
+    B, T, H, KV, D = shape
+    q, k, v = q.reshape(B * KV, -1, D), k.reshape(B * KV, -1, D), v.reshape(B * KV, -1, D)
+    scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scaling)  # [B*KV, R*T, S]
+    o = torch.bmm(F.softmax(scores, dim=-1), v)
+    return o.view(B, KV, H // KV, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)  # a copy only at T > 1
+
+
 # ----------------------------------------------------------------------------------------------------
 # Kernels
 
@@ -60,6 +77,7 @@ if triton is not None:
     def _round(x, dt: tl.constexpr):
         """float32 x rounded to dt's precision, to nearest even, kept in float32 (bfloat16 by its bits: Triton's
         interpreter truncates when it converts to bfloat16, the GPU rounds; this is the same on both)."""
+        x = x.to(tl.float32)  # a float64 scalar (eps under torch.compile) would widen the product
         if dt == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
@@ -113,6 +131,85 @@ if triton is not None:
         w = tl.load(w_ptr + n, mask=keep, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * N + n, _round(w * normed, dt).to(dt), mask=keep)
 
+    @triton.jit
+    def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, T, S, scaling, k_batch, k_head, k_slot,
+                               v_batch, v_head, v_slot, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                               CHUNK: tl.constexpr, CHUNKS: tl.constexpr, WIDE: tl.constexpr):
+        """One program per (batch row and kv head, token t, chunk c of CHUNK keys): the R query heads' softmax
+        over the chunk's keys, unnormalised (its max, its sum, p @ v), into part [B*KV, T, CHUNKS, 16, D + 2].
+        The R rows are padded to 16 for the tensor cores; a token's rows never meet another token's."""
+        bk, t, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, kvh = bk // KV, bk % KV
+        r, d = tl.arange(0, 16), tl.arange(0, D)
+        n = c * CHUNK + tl.arange(0, CHUNK)
+        live, inside = r < R, n < S
+        rows = r * T + t  # the mask's and q's row of query head r at token t
+        q = tl.load(q_ptr + (bk * R * T + rows)[:, None] * D + d[None, :], mask=live[:, None], other=0.0).to(WIDE)
+        keys = tl.load(k_ptr + b * k_batch + kvh * k_head + n[:, None] * k_slot + d[None, :], mask=inside[:, None],
+                       other=0.0)
+        scores = tl.dot(q, tl.trans(keys.to(WIDE)), input_precision="ieee") * scaling
+        scores += tl.load(mask_ptr + rows[:, None] * S + n[None, :], mask=live[:, None] & inside[None, :],
+                          other=float("-inf")).to(tl.float32)
+        scores = tl.where(live[:, None], scores, 0.0)  # padded rows: finite, never read
+        best = tl.maximum(tl.max(scores, axis=1), -1e30)  # finite: a chunk with no visible key weighs exactly 0
+        p = tl.exp(scores - best[:, None])
+        values = tl.load(v_ptr + b * v_batch + kvh * v_head + n[:, None] * v_slot + d[None, :], mask=inside[:, None],
+                         other=0.0)
+        acc = tl.dot(p.to(values.dtype).to(WIDE), values.to(WIDE), input_precision="ieee")  # p rounded, as flash
+        at = part_ptr + ((bk * T + t) * CHUNKS + c) * 16 * (D + 2) + r * (D + 2)
+        tl.store(at[:, None] + d[None, :], acc, mask=live[:, None])
+        tl.store(at + D, best, mask=live)
+        tl.store(at + D + 1, tl.sum(p, axis=1), mask=live)
+
+    @triton.jit
+    def _attention_merge_kernel(part_ptr, o_ptr, T, used, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                                CHUNKS: tl.constexpr):
+        """One program per (batch row and kv head, token t, query head r): the chunks' softmaxes merged. It reads
+        CHUNKS (the cache's capacity) chunks whatever the context bucket, the unused ones as empty, so the sums
+        keep one order and a token gets the same bits in every bucket and verify width as in a one-token step."""
+        bk, t, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        c, d = tl.arange(0, CHUNKS), tl.arange(0, D)
+        at = part_ptr + ((bk * T + t) * CHUNKS + c) * 16 * (D + 2) + r * (D + 2)
+        real = c < used
+        best = tl.load(at + D, mask=real, other=-1e30)
+        weight = tl.exp(best - tl.max(best, axis=0))
+        total = tl.sum(weight * tl.load(at + D + 1, mask=real, other=0.0), axis=0)
+        acc = tl.sum(weight[:, None] * tl.load(at[:, None] + d[None, :], mask=real[:, None], other=0.0), axis=0)
+        b, kvh = bk // KV, bk % KV
+        o_at = o_ptr + ((b * T + t) * (KV * R) + kvh * R + r) * D  # o [B*T, H*D], token-major
+        tl.store(o_at + d, (acc / total).to(o_ptr.dtype.element_ty))
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multiplies bfloat16 by its bits: widen
+_TL = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+CHUNK = 64  # keys a program of the attention takes
+
+
+def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernels take a model of these heads (the attention's: at most 16 query heads a kv head, a
+    power-of-two head size of at least 16)."""
+    return heads // kv_heads <= 16 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def attention(q, k, v, mask, scaling: float, shape) -> torch.Tensor:
+    """`attention_torch` in two kernels (softmaxes over chunks of 64 keys, then merged; float32 throughout, so
+    within a rounding of the torch ops, not their bits). k and v are slices [:, :, :S] of a cache whose capacity
+    (slots per head of their storage) fixes the merge's order."""
+    B, T, H, KV, D = shape
+    S, R = k.shape[2], H // KV
+    if not supported(H, KV, D) or k.stride(3) != 1 or v.stride(3) != 1:
+        raise ValueError(f"the attention kernel needs at most 16 query heads a kv head and a power-of-two head size "
+                         f">= 16 with unit stride, got {R} and {D}")
+    chunks = triton.next_power_of_2(triton.cdiv(k.stride(1) // k.stride(2), CHUNK))
+    part = torch.empty(B * KV, T, chunks, 16, D + 2, dtype=torch.float32, device=q.device)
+    used = triton.cdiv(S, CHUNK)
+    _attention_part_kernel[(B * KV, T, used)](q.contiguous(), k, v, mask.contiguous(), part, T, S, scaling,
+                                              *k.stride()[:3], *v.stride()[:3], KV=KV, R=R, D=D, CHUNK=CHUNK,
+                                              CHUNKS=chunks, WIDE=tl.float32 if INTERPRETED else _TL[q.dtype])
+    o = torch.empty(B * T, H * D, dtype=q.dtype, device=q.device)
+    _attention_merge_kernel[(B * KV, T, R)](part, o, T, used, KV=KV, R=R, D=D, CHUNKS=chunks)
+    return o
+
 
 def rope_and_cache(qkv, cos, sin, pos, kv, shape) -> torch.Tensor:
     """`rope_and_cache_torch` in one kernel (qkv is left as it was; only q's layout and the cache are written)."""
@@ -120,7 +217,7 @@ def rope_and_cache(qkv, cos, sin, pos, kv, shape) -> torch.Tensor:
     q = torch.empty(B, KV, (H // KV) * T, D, dtype=qkv.dtype, device=qkv.device)
     _rope_cache_kernel[(B * T, H + 2 * KV)](qkv.contiguous(), cos.contiguous(), sin.contiguous(), pos, kv, q, T,
                                             kv.shape[3],
-                                            B=B, H=H, KV=KV, D=D)
+                                            B=B, H=H, KV=KV, D=D, enable_fp_fusion=False)
     return q
 
 

@@ -353,7 +353,7 @@ def test_graphs_match_eager_static_and_hf_bf16(shape):
     prompt = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(10)).tolist()
     graphs = StaticCausalLM(model, max_len=256)
     eager = StaticCausalLM(model, max_len=256, use_graphs=False)
-    assert graphs.path == "static+graphs"
+    assert graphs.path.startswith("static+graphs")
     tokens, logits = static_greedy(graphs, prompt, 64, return_logits=True)
     assert len(graphs.graphs) >= 1
     tokens_eager, logits_eager = static_greedy(eager, prompt, 64, return_logits=True)

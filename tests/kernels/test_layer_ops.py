@@ -45,6 +45,36 @@ def test_silu_mul_and_rms_norm_are_the_torch_ops_within_a_rounding(device, dtype
     assert not torch.allclose(layer_ops.silu_mul(swapped), layer_ops.silu_mul_torch(gate_up), rtol=ulp, atol=ulp)
 
 
+def attention_inputs(T, S, dtype, device, capacity=160):
+    """q rows of the embedded model's heads, a cache slice of S slots, and a mask in which token t sees slots
+    [0, 37 + t) and slot 50 + t (a tree's shape: not a prefix), so blocks past 64 have no visible key."""
+    B, H, KV, D = 2, 9, 3, 64
+    g = torch.Generator(device=device).manual_seed(2)
+    q = torch.randn(B, KV, (H // KV) * T, D, generator=g, device=device).to(dtype)
+    cache = torch.randn(2, B, KV, capacity, D, generator=g, device=device).to(dtype)
+    slots = torch.arange(S, device=device)
+    tokens = torch.arange(T, device=device)[:, None]
+    visible = (slots[None, :] < 37 + tokens) | (slots[None, :] == 50 + tokens)
+    mask = torch.where(visible, 0.0, float("-inf")).to(dtype).repeat(H // KV, 1)  # [R*T, S], row r * T + t
+    return q, cache[0, :, :, :S], cache[1, :, :, :S], mask, (B, T, H, KV, D)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_is_the_torch_ops_within_a_rounding_and_a_tokens_bits_do_not_depend_on_the_width(device, dtype):
+    q, k, v, mask, shape = attention_inputs(3, 130, dtype, device)
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    o = layer_ops.attention(q, k, v, mask, 0.125, shape)
+    torch.testing.assert_close(o, layer_ops.attention_torch(q, k, v, mask, 0.125, shape), rtol=tol, atol=tol)
+    B, T, H, KV, D = shape
+    for t in range(T):  # token t alone, and over a narrower context bucket: the same bits
+        rows = torch.arange(H // KV, device=device) * T + t
+        alone = layer_ops.attention(q[:, :, rows], k[:, :, :64], v[:, :, :64], mask[rows, :64], 0.125,
+                                    (B, 1, H, KV, D))
+        assert torch.equal(alone, o.view(B, T, H * D)[:, t])
+    heads_swapped = layer_ops.attention(q.flip(1), k, v, mask, 0.125, shape)
+    assert not torch.allclose(heads_swapped, o, rtol=tol, atol=tol)
+
+
 def test_the_model_with_the_kernels_gives_the_torch_ops_logits_and_greedy_tokens(device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -64,3 +94,4 @@ def test_the_model_with_the_kernels_gives_the_torch_ops_logits_and_greedy_tokens
         runs[ops] = torch.stack(logits)
     torch.testing.assert_close(runs["triton"], runs["torch"], rtol=1e-4, atol=1e-4)
     assert torch.equal(runs["triton"].argmax(-1), runs["torch"].argmax(-1))
+
