@@ -131,6 +131,7 @@ r2)  # stash GGUF part 2 (.carry/p2), and the verify kernel's tests on CUDA
   python3 -m pytest tests/kernels/test_verify.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_verify_cuda.log" | tail -5 ;;
 r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RUN_ARGS: one run per line)
   assemble3
+  touch /tmp/r3.start  # only this call's results go back (the 8 files a call returns)
   while IFS= read -r args; do
     [ -z "$args" ] && continue
     echo "== benchmarks.run $args"
@@ -139,7 +140,7 @@ r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RU
     timeout ${RUN_TIMEOUT:-280} env "${envs[@]}" python3 -m benchmarks.run --preset embedded "$@" 2>&1 \
       | grep -v -i "loading weights\|de-quantizing\|clean_up_tokenization" | tail -${RUN_TAIL:-30}
   done <<< "${RUN_ARGS:-}"
-  cp benchmarks/results/engine_embedded_cuda*.json benchmarks/results/engine_embedded_cuda*.csv "$OUT/" 2>/dev/null ;;
+  find benchmarks/results -name 'engine_embedded_cuda*' -newer /tmp/r3.start -exec cp {} "$OUT/" \; ;;
 step)  # issue 15's plain step: the layer-op kernels (tests, then the captured forward with and without them)
   python3 -m pytest tests/kernels/test_layer_ops.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_layer_ops_cuda.log" | tail -3
   python3 -m benchmarks.gpu_step --layer-ops torch triton --tokens 1 8 --context 512 2>&1 | tee "$OUT/gpu_step.log" | tail -30

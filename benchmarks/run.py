@@ -157,6 +157,8 @@ def parse_args(argv=None):
     ap.add_argument("--tag", default="", help="a suffix for the result files (a variant beside the main run)")
     ap.add_argument("--captured", default="auto", choices=["auto", "eager", "off"],
                     help="whole rounds as CUDA graphs (auto), their code without graphs (eager), or eager rounds (off)")
+    ap.add_argument("--launch-ahead", default="on", choices=["on", "off"],
+                    help="captured rounds: launch the next on-device round before this one lands (Engine.launch_ahead)")
     ap.add_argument("--warm-up-context", type=int, default=2048,
                     help="the engine's warm-up captures every graph a stream of up to this many tokens can choose")
     ap.add_argument("--hf-compiled", action="store_true",
@@ -216,6 +218,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     engine = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision=args.precision,
                                 captured=args.captured)
+    engine.launch_ahead = args.launch_ahead == "on"
     args.warm_up_s = engine.warm_up(args.warm_up_context)
     print(f"engine warm-up (costs and every graph a run can choose): {args.warm_up_s:.1f} s", flush=True)
     float32 = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision="float32",
@@ -263,7 +266,7 @@ def write_results(engine: Engine, rows: list[dict], peers: dict, args, argv) -> 
     stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}" + (f"_{args.prompt_set}" if args.prompt_set != "examples" else "") + (f"_{args.tag}" if args.tag else "")
     env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine),
                precision=engine.precision, peers={k: v["version"] for k, v in peers.items()}, repeats=args.repeats,
-               rounds=args.rounds, captured=args.captured, warm_up_s=args.warm_up_s,
+               rounds=args.rounds, captured=args.captured, launch_ahead=args.launch_ahead, warm_up_s=args.warm_up_s,
                eager_rounds=getattr(engine.round.captured, "eager_rounds", None))
     payload = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
                "seed": args.seed, "gamma": args.gamma, "env": env, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}

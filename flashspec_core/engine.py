@@ -31,7 +31,7 @@ from flashspec_core.gguf_weights import GGUFFile
 from flashspec_core.models import CausalLM, embedded_gguf, load_model, pick_device, pick_dtype, pick_precision
 from flashspec_core.policy import HostPolicy
 from flashspec_core.request import MODES, Request, arms_for
-from flashspec_core.round import DeviceRound
+from flashspec_core.round import DeviceRound, Launched
 from flashspec_core.sampling import SamplingConfig
 from flashspec_core.stream import GenerationResult, Played, RoundEvent, RoundOutput, StreamState, TokenSpan
 from kernels import resolve_backend
@@ -92,6 +92,7 @@ class Engine:
         self.round = DeviceRound(target, self.drafters, kernel_backend, captured)  # draft, verify, accept, roll back
         self.policy = HostPolicy(self.drafters)  # arm and K choices, rewards, the machine's measured costs
         self.events = EventBuilder(tokenizer, self.eos_ids)  # stop checks, events, text pieces
+        self.launch_ahead = True  # captured rounds: launch the next on-device round before this one lands (`_play`)
 
     # ------------------------------------------------------------------------------------------------
     # Construction
@@ -297,8 +298,9 @@ class Engine:
         s.prefill_s = self.round.start(s.rows, s.sampling, s.generator,
                                        len(s.rows[0]) + s.max_new_tokens + max_gamma + 1, max_gamma, s.arms,
                                        captured=s.tree is None)
+        ahead = None  # the next round, chosen (and maybe launched) before this one landed
         while s.produced < s.max_new_tokens:
-            played = self._play(s)
+            played, ahead = self._play(s, ahead)
             self.policy.learn(s, played)
             finished, emitted = self.events.finish(played.emitted, s.produced, s.max_new_tokens)
             s.produced += len(emitted)
@@ -309,10 +311,39 @@ class Engine:
             if finished:
                 return
 
-    def _play(self, s: StreamState) -> Played:
-        """One round of the stream: the policy's arm and K, then the device round."""
-        arm = self.policy.choose(s)
-        limit = min(s.max_new_tokens - s.produced - 1, self.target.context_window - len(s.rows[0]) - 1)  # K + 1 fit
+    def _play(self, s: StreamState, ahead: "Turn | None") -> tuple[Played, "Turn | None"]:
+        """One round of the stream: the policy's arm and K, then the device round. On captured rounds the next
+        round's arm is chosen before this one lands (the bandit and gamma "auto" read one round late) and, when it
+        drafts on the device (`DeviceRound.on_device`) and the stream's end cannot cut its K, launched at once:
+        the host's work on this round overlaps the device's on the next."""
+        if self.round.captured is None or not self.launch_ahead:
+            return self._play_now(s), None
+        turn = self._launch(s, ahead or Turn(self.policy.choose(s)))
+        ahead = Turn(self.policy.choose(s))
+        if self.round.on_device(self.drafters[ahead.arm]):
+            self._launch(s, ahead, after=turn.launched.K + 1)
+        before = s.rows[0][:]
+        out = self.round.land(s.rows, turn.launched)
+        return Played(turn.arm, turn.limit, before, s.rows[0][len(before):], out), ahead
+
+    def _launch(self, s: StreamState, turn: "Turn", after: int = 0) -> "Turn":
+        """Launch `turn` (if it is not yet) with K cut to fit the stream; `after`: the most tokens the round in
+        flight may still emit. A round launched ahead waits (unlaunched) where the stream's end could cut its K."""
+        if turn.launched is None:
+            turn.limit = self._limit(s, after)
+            K_max = s.gamma if isinstance(s.gamma, int) else MAX_AUTO_GAMMA
+            if after == 0 or turn.limit >= K_max:
+                k = self.policy.gamma(s, turn.arm, turn.limit)
+                turn.launched = self.round.launch(s.rows, self.drafters[turn.arm], k, s.sampling, s.generator)
+        return turn
+
+    def _limit(self, s: StreamState, after: int = 0) -> int:
+        """The most tokens a round may draft: K + 1 fit the tokens left and the context window."""
+        return min(s.max_new_tokens - s.produced - after - 1, self.target.context_window - len(s.rows[0]) - after - 1)
+
+    def _play_now(self, s: StreamState) -> Played:
+        """One round without captured rounds (eager, or a tree): chosen, run and landed at once."""
+        arm, limit = self.policy.choose(s), self._limit(s)
         before, drafter = s.rows[0][:], self.drafters[arm]
         if s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0:  # a tree, its depth cut to fit
             shape, nodes = self.policy.tree_plan(s, arm, replace(s.tree, depth=min(s.tree.depth, limit)))
@@ -328,6 +359,14 @@ class Engine:
 
     def _round(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator) -> RoundOutput:
         return self.round.run(rows, drafter, k, sampling, generator)
+
+
+@dataclass
+class Turn:
+    """A round the policy chose: its arm, and once launched its K limit and the device round's record."""
+    arm: str
+    limit: int = 0
+    launched: Launched | None = None
 
 
 # ----------------------------------------------------------------------------------------------------

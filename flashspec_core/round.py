@@ -27,8 +27,13 @@ steps as one CUDA graph per shape, the head's update from the verify's hidden st
 with the accepted count as a device tensor), the cache length on the device. `land` then only reads, extends
 the rows and moves the host's lengths. Stays on the host: the arm and K (bandit, gamma), the model-free
 drafters (host tries), the cache lengths as host ints (they pick the context bucket), the rows (text, stop
-checks, counterfactual scores). Not done: launching round i + 1 before reading round i (the bandit, gamma
-"auto" and the stop checks read it first; launching on a stale choice would change a sampled stream's tokens).
+checks, counterfactual scores).
+
+One round ahead: a captured round whose draft needs no host rows (`on_device`: the head's, or none) may be
+launched before the round before it lands (the engine does, choosing its arm and K one round late). Its record
+is copied to pinned host memory after its graph, so the host's work on one round overlaps the device's on the
+next; while it is in flight the host's cache length counts what it may append (so its context bucket is chosen
+from an upper bound), and `land` takes rounds in launch order.
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from flashspec_core.captured import CapturedRound, Shape, pack
-from flashspec_core.drafters import DraftHeadDrafter, DraftModel, Drafter
+from flashspec_core.drafters import DraftHeadDrafter, DraftModel, Drafter, NoDraft
 from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from flashspec_core.stream import RoundOutput
@@ -48,12 +53,12 @@ from kernels import verify
 @dataclass
 class Launched:
     """A round whose device work is queued: what `land` needs to finish it."""
-    length: int  # L: the rows' length before the round
     K: int  # tokens drafted
-    packed: torch.Tensor  # the round's host record, still on the device (see `captured.pack`)
+    packed: torch.Tensor  # the round's host record (see `captured.pack`): on the device, or copying to the host
     guessers: list[str]  # the drafters whose first-pass guesses are packed, in order
     timer: "RoundTimer"
     captured: bool = False  # ran as a captured round: the head has observed it already
+    ready: torch.cuda.Event | None = None  # recorded after `packed`'s copy into pinned host memory was queued
 
 
 @dataclass
@@ -92,6 +97,10 @@ class DeviceRound:
         self.mode = captured
         self.captured: CapturedRound | None = None  # the stream's, set by `start` where it applies
         self._built: CapturedRound | None = None  # the last one built, kept (with its graphs) across eager streams
+        self.unlanded: list[Launched] = []  # launched, not landed yet, oldest first (two while one runs ahead)
+        self.launched_ahead = 0  # rounds launched before the one before them landed (a stream's counter)
+        self._landed_at = 0.0  # when the last round landed (a round's wall time starts no earlier)
+        self._pinned: dict[tuple, list[torch.Tensor]] = {}  # host buffers for captured rounds' records, two a size
 
     # -- the two calls -------------------------------------------------------------------------------
     def start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
@@ -101,6 +110,8 @@ class DeviceRound:
         returns the seconds it took. The target reports hidden states from here on only if one of `arms`
         (default: every drafter) reads them. captured=False: this stream runs eager rounds (tree rounds do)."""
         t0 = time.perf_counter()
+        self.unlanded.clear()  # a round the last stream left in flight is dropped (its device work is queued first)
+        self.launched_ahead = 0
         readers = [self.drafters[a] for a in (arms or self.drafters)]
         self.target.aux_layers = next((d.aux_layers for d in readers if d.aux_layers), ())
         self.target.reset()
@@ -134,8 +145,24 @@ class DeviceRound:
         return run_tree(self, rows, drafter, shape, sampling, generator, nodes)
 
     # -- the round -----------------------------------------------------------------------------------
+    def on_device(self, drafter: Drafter) -> bool:
+        """Whether a round of `drafter` can be launched before the round before it lands: captured rounds whose
+        draft needs no host rows (the head drafts inside the graph; no draft)."""
+        c = self.captured
+        return c is not None and (drafter is c.head or isinstance(drafter, NoDraft))
+
     def launch(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator) -> Launched:
-        """Draft, verify and the accept test, all on the device; nothing here reads the device."""
+        """Draft, verify and the accept test, all on the device; nothing here reads the device. With a round in
+        flight (`on_device` arms only) it runs after that round on the device and lands after it."""
+        if self.unlanded:
+            if not self.on_device(drafter):
+                raise ValueError(f"a round of {drafter.name} needs the host's rows: land the round in flight first")
+            self.launched_ahead += 1
+        launched = self._launch(rows, drafter, k, sampling, generator)
+        self.unlanded.append(launched)
+        return launched
+
+    def _launch(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator) -> Launched:
         if self.captured is not None:
             return self._launch_captured(rows, drafter, k, sampling)
         timer = RoundTimer(self.device)
@@ -152,20 +179,28 @@ class DeviceRound:
         self.pending = result.tokens.index_select(1, shortest)  # [B, 1]: that row position's emitted id
         shown = logits.softmax(dim=-1) if sampling.greedy else p  # the p values shown with each token
         timer.launched()
-        return Launched(len(rows[0]), K, pack(proposal, shown, result, guesses), guessers, timer)
+        return Launched(K, pack(proposal, shown, result, guesses), guessers, timer)
 
     def land(self, rows: list[list[int]], launched: Launched) -> RoundOutput:
-        """Read the round's host record (the one sync), then accept on the rows, roll back and update."""
+        """Read the round's host record (the one sync), then accept on the rows, roll back and update. Rounds land
+        in the order they were launched."""
+        if not self.unlanded or launched is not self.unlanded[0]:
+            raise ValueError("rounds land in the order they were launched")
+        if launched.ready is not None:
+            launched.ready.synchronize()
         host = HostCopy.read(launched.packed, launched.K, launched.guessers)
-        L, m = launched.length, min(host.num_accepted)
+        L, m = len(rows[0]), min(host.num_accepted)
         for row, toks in zip(rows, host.tokens):  # accept
             row.extend(toks[:m + 1])
+        self.unlanded.pop(0)
         self.target.crop(L + m)  # roll back: the cache keeps the context and the accepted drafts
+        self.target.length += sum(r.K + 1 for r in self.unlanded)  # a round in flight: what it may append
         if launched.captured:
             self._update_captured(rows, L + m)
         else:
             self._update(rows, L + m, None if self.target.aux is None else self.target.aux[:, :m + 1])
-        draft_s, verify_s, device_s = launched.timer.done()
+        draft_s, verify_s, device_s = launched.timer.done(since=self._landed_at)
+        self._landed_at = time.perf_counter()
         return RoundOutput(host.num_accepted, host.tokens, host.draft, host.p, host.q, draft_s, verify_s, host.guesses,
                            device_s)
 
@@ -189,10 +224,23 @@ class DeviceRound:
         shape = Shape(drafter is head and K > 0, K, self.target.bucket(self.target.length + K + 1), sampling.greedy,
                       bool(self.target.aux_layers))
         timer.drafted()  # a model-free draft ends here; the head's drafting runs inside the round (in verify_s)
-        packed = c.run(shape)
+        packed, ready = self._to_host(c.run(shape))
         timer.launched()
         self.target.length += K + 1  # the host's count of what the verify appended (rolled back in `land`)
-        return Launched(len(rows[0]), K, packed, guessers, timer, captured=True)
+        return Launched(K, packed, guessers, timer, captured=True, ready=ready)
+
+    def _to_host(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """On CUDA, queue the record's copy into a pinned host buffer (two a size, taken in turn: at most two rounds
+        are in flight, and a graph's next replay overwrites its own record) and an event after it."""
+        if packed.device.type != "cuda":
+            return packed, None
+        pair = self._pinned.setdefault(tuple(packed.shape), [torch.empty(packed.shape, dtype=packed.dtype,
+                                                                          pin_memory=True) for _ in range(2)])
+        pair.reverse()
+        pair[0].copy_(packed, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return pair[0], ready
 
     def _update_captured(self, rows: list[list[int]], kept: int) -> None:
         """After a captured round: the head has observed it on the device (its cache now holds `kept` slots);
@@ -340,8 +388,9 @@ class RoundTimer:
         if self.cuda:
             self.end.record()
 
-    def done(self) -> tuple[float, float, float | None]:
-        total = time.perf_counter() - self.t0
+    def done(self, since: float = 0.0) -> tuple[float, float, float | None]:
+        """`since`: the last round's landing; a round launched before it counts its wall time from there."""
+        total = time.perf_counter() - max(self.t0, since)
         draft = self.start.elapsed_time(self.mid) / 1e3 if self.cuda else self.t1 - self.t0
         device = self.mid.elapsed_time(self.end) / 1e3 if self.cuda else None
         return draft, max(0.0, total - draft), device

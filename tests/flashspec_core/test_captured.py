@@ -46,6 +46,42 @@ def test_greedy_captured_equals_plain(tiny, drafters):
         assert result.token_ids == plain, gamma
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "t1"])
+def test_rounds_launched_ahead_give_the_tokens_of_rounds_one_at_a_time(tiny, sampling):
+    """The head's (or no draft's) next round launched before the last one lands: the same tokens as rounds run one
+    at a time, greedy and sampled (a fixed K, so the same draws in the same order); greedy, the bandit too."""
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
+    runs, ahead = {}, {}
+    for launch_ahead in (True, False):
+        engine.launch_ahead = launch_ahead
+        runs[launch_ahead] = engine.generate(PROMPT, 40, sampling=sampling, gamma=3, drafters=["draft_head"], seed=5)
+        ahead[launch_ahead] = engine.round.launched_ahead
+    assert runs[True].token_ids == runs[False].token_ids
+    assert [e.gamma for e in runs[True].events] == [e.gamma for e in runs[False].events]
+    assert ahead[True] >= len(runs[True].events) // 2 and ahead[False] == 0  # not where the end could cut K
+    if sampling.greedy:
+        engine.launch_ahead = True
+        assert engine.generate(PROMPT, 40).token_ids == engine.generate(PROMPT, 40, mode="plain").token_ids
+        assert engine.round.launched_ahead > 0
+
+
+def test_a_round_that_needs_the_hosts_rows_waits_for_the_round_in_flight(tiny):
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
+    r, rows = engine.round, [list(PROMPT)]
+    r.start(rows, GREEDY, torch.Generator().manual_seed(0), max_context=64)
+    first = r.launch(rows, r.drafters["draft_head"], 2, GREEDY, None)
+    second = r.launch(rows, r.drafters["no_draft"], 0, GREEDY, None)
+    with pytest.raises(ValueError, match="needs the host's rows"):
+        r.launch(rows, r.drafters["prompt_lookup"], 2, GREEDY, None)
+    with pytest.raises(ValueError, match="order they were launched"):
+        r.land(rows, second)
+    r.land(rows, first)
+    r.land(rows, second)
+    assert r.target.length == len(rows[0]) - 1 == r.captured.length.item()
+
+
 def test_greedy_captured_equals_plain_on_the_embedded_model(embedded_engine):
     """The shipped head and the CPU default target, in captured rounds (then back to the engine's own mode)."""
     prompt = "Write a short story about a fox who learns to swim."
