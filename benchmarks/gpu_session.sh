@@ -143,7 +143,7 @@ r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RU
   find benchmarks/results -name 'engine_embedded_cuda*' -newer /tmp/r3.start -exec cp {} "$OUT/" \; ;;
 step)  # issue 15's plain step: the layer-op kernels (tests, then the captured forward with and without them)
   python3 -m pytest tests/kernels/test_layer_ops.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_layer_ops_cuda.log" | tail -3
-  python3 -m benchmarks.gpu_step --layer-ops torch triton --tokens 1 8 --context 512 2>&1 | tee "$OUT/gpu_step.log" | tail -30
+  python3 -m benchmarks.gpu_step --layer-ops torch triton --tokens 1 8 --context 512 --no-compile 2>&1 | tee "$OUT/gpu_step.log" | tail -30
   cp benchmarks/results/gpu_step_*.json "$OUT/" 2>/dev/null ;;
 *) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, old, ckpt, headgo, resumego, watch, shards, r1, r2, r3 or step" >&2; exit 2 ;;
 esac
