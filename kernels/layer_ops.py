@@ -9,12 +9,13 @@
     rms_norm(x, weight, eps)                               HF's RMSNorm (float32, round, scale): one for two
 
 A one-token step of a small model is bound by how many kernels it launches (about 19 a layer, ~2 us each inside a
-CUDA graph), not by its weights; these take a layer to 10 (4 of them cuBLAS's products). Every kernel treats each token on its own, so a verify of K tokens computes each token exactly as a
-one-token step does. The roundings are the torch ops': the rotary rounds x * cos and the swapped half * sin to the
-activations' dtype before their sum, as the in-place torch ops do (and runs without fused multiply-adds, which the
-GPU's compiler would otherwise form), and the tests check the kernels bit for bit (rotary, cache, layout) or within
-a rounding (the norm's sum order, silu, the attention's softmax) under TRITON_INTERPRET=1 and on
-a GPU.
+CUDA graph), not by its weights; these take a layer to 10 (4 of them cuBLAS's products). Every kernel here treats
+each token on its own, so in a verify of K tokens it computes each token as a one-token step does (cuBLAS's
+products are not bound to: they may pick other kernels for other widths). The roundings are
+the torch ops': the rotary rounds x * cos and the swapped half * sin to the activations' dtype before their sum, as
+the in-place torch ops do (and runs without fused multiply-adds, which the GPU's compiler would otherwise form),
+and the tests check the kernels bit for bit (rotary, cache, layout) or within a rounding (the norm's sum order,
+silu, the attention's softmax) under TRITON_INTERPRET=1 and on a GPU.
 """
 from __future__ import annotations
 
