@@ -294,9 +294,8 @@ class Engine:
         """Choose an arm and K, run a round, learn from it, yield its event."""
         self.calibrate()
         s.t_start = time.perf_counter()  # generation is lazy: the clock starts with the first round's prefill
-        max_gamma = MAX_AUTO_GAMMA if s.gamma == "auto" else s.gamma
         s.prefill_s = self.round.start(s.rows, s.sampling, s.generator,
-                                       len(s.rows[0]) + s.max_new_tokens + max_gamma + 1, max_gamma, s.arms,
+                                       len(s.rows[0]) + s.max_new_tokens + s.max_gamma + 1, s.max_gamma, s.arms,
                                        captured=s.tree is None)
         ahead = None  # the next round, chosen (and maybe launched) before this one landed
         while s.produced < s.max_new_tokens:
@@ -331,8 +330,7 @@ class Engine:
         flight may still emit. A round launched ahead waits (unlaunched) where the stream's end could cut its K."""
         if turn.launched is None:
             turn.limit = self._limit(s, after)
-            K_max = s.gamma if isinstance(s.gamma, int) else MAX_AUTO_GAMMA
-            if after == 0 or turn.limit >= K_max:
+            if after == 0 or turn.limit >= s.max_gamma:
                 k = self.policy.gamma(s, turn.arm, turn.limit)
                 turn.launched = self.round.launch(s.rows, self.drafters[turn.arm], k, s.sampling, s.generator)
         return turn

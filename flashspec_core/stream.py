@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashspec_core.bandit import ArmState, Bandit
-from flashspec_core.gamma import Acceptance, Calibration
+from flashspec_core.gamma import MAX_AUTO_GAMMA, Acceptance, Calibration
 from flashspec_core.sampling import SamplingConfig
 
 
@@ -131,3 +131,8 @@ class StreamState:
 
     def __post_init__(self):
         self.acceptance = {a: Acceptance() for a in self.arms}
+
+    @property
+    def max_gamma(self) -> int:
+        """The most tokens a round of this stream may draft."""
+        return MAX_AUTO_GAMMA if self.gamma == "auto" else self.gamma
