@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from flashspec_core.fast_path import head_size, linear
 from flashspec_core.gguf_weights import Int8Weight, Q8_0Weight, int8_rows, q8_0_rows
+from kernels import layer_ops
 
 CONFIG_FILE, WEIGHTS_FILE, CARD_FILE = "config.json", "model.safetensors", "card.json"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -126,6 +128,8 @@ class DraftHead(nn.Module):
         self.packed: dict[str, Int8Weight | Q8_0Weight] = {}  # inference only: products through packed weights (`pack`)
         self.native_layer: list[torch.Tensor] | None = None  # the native layer's weights, where `pack` set it up
         self._rope = torch.empty(2, 0, cfg.head_dim)  # the native layer's cos and signed sin by position (grown on use)
+        self.layer_ops = "auto"  # a captured step's small ops: "torch", "triton" (kernels.layer_ops) or "auto" (`_kernels`)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos and signed sin by slot, for the kernels
         D = cfg.head_dim
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -240,7 +244,8 @@ class DraftHead(nn.Module):
         packed = self.packed.get("lm_head")
         if packed is not None:
             return packed.first(limit)(self.norm(h))
-        return linear(self.norm(h), self.lm_head.weight[:limit], None, self.columns)
+        normed = layer_ops.rms_norm(h, self.norm.weight, self.norm.eps) if self._kernels(h) else self.norm(h)
+        return linear(normed, self.lm_head.weight[:limit], None, self.columns)
 
     # -- inference ----------------------------------------------------------------------------------
     def step(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor,
@@ -299,11 +304,56 @@ class DraftHead(nn.Module):
         pos[t] = pos[0] + t) are written in place and attend to the cache's first S slots at positions <= their own
         (the verified slots, earlier new slots, and nothing stale: every slot below a query's position is current).
         The cache's `length` (a host count) is left to the caller."""
+        if self._kernels(hidden):
+            return self._step_at_kernels(cache, tokens, hidden, pos, S)
         q, k, v = self._qkv(tokens, hidden, pos)
         keys, values = cache.write_at(k, v, pos, S)
         mask = cache.slots[:S][None, :] <= pos[:, None]  # [T, S]
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self._finish(hidden, attended)
+
+    def _kernels(self, x: torch.Tensor) -> bool:
+        """Whether the captured step and the logits' norm run `kernels.layer_ops`' Triton kernels: "auto" on CUDA
+        where they take the head's heads, unless FLASHSPEC_LAYER_OPS=torch (as for the target)."""
+        if self.layer_ops != "auto":
+            return self.layer_ops == "triton"
+        cfg = self.cfg
+        return (x.is_cuda and layer_ops.triton is not None and os.environ.get("FLASHSPEC_LAYER_OPS") != "torch"
+                and layer_ops.supported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+
+    def _step_at_kernels(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
+                         S: int) -> torch.Tensor:
+        """`step_at` with the norms, the rotary and cache write, the attention and SiLU * up as Triton kernels
+        (the target's `layer_ops`; the rotary's bits are `_rotate`'s, the rest within a rounding of the torch ops);
+        the products stay torch's."""
+        layer, cfg = self.midlayer, self.cfg
+        (B, T), H, KV, D = tokens.shape, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        shape = (B, T, H, KV, D)
+        e = F.embedding(tokens, self.embed).to(hidden.dtype)
+        x = torch.cat([layer_ops.rms_norm(e, layer.input_layernorm.weight, cfg.rms_norm_eps),
+                       layer_ops.rms_norm(hidden, layer.hidden_norm.weight, cfg.rms_norm_eps)], dim=-1)
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = torch.cat(self._product("qkv", x, attn.q_proj, attn.k_proj, attn.v_proj), dim=-1).view(B * T, -1)
+        cos, sin = self._rope_table(cache.k.shape[2], x.dtype, x.device)
+        q = layer_ops.rope_and_cache(qkv, cos[pos], sin[pos], pos, cache.kv, shape)
+        visible = cache.slots[:S][None, :] <= pos.repeat(H // KV)[:, None]  # [R*T, S], row r * T + t
+        o = layer_ops.attention(q, cache.k[:, :, :S], cache.v[:, :, :S], torch.where(visible, 0.0, -math.inf),
+                                D ** -0.5, shape)
+        h = hidden + self._product("o", o.view(B, T, -1), attn.o_proj)
+        gate, up = self._product("gate_up", layer_ops.rms_norm(h, layer.post_attention_layernorm.weight,
+                                                               cfg.rms_norm_eps), mlp.gate_proj, mlp.up_proj)
+        both = torch.cat([gate, up], dim=-1).view(B * T, -1)
+        return h + self._product("down", layer_ops.silu_mul(both).view(B, T, -1), mlp.down_proj)
+
+    def _rope_table(self, slots: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and the signed sin (rotate_half's sign on the first half) [slots, D] in dtype, made once per cache
+        size: `_rotary`'s values at every slot."""
+        table = self._table
+        if table is None or table[0].shape[0] < slots or table[0].dtype != dtype or table[0].device != device:
+            cos, sin = self._rotary(torch.arange(slots, device=device), dtype)
+            half = self.cfg.head_dim // 2
+            self._table = table = (cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))
+        return table
 
     # -- training -----------------------------------------------------------------------------------
     def ttt_forward(self, features: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -351,9 +401,8 @@ class HeadCache:
     """The head's KV cache for B rows: slots [0, length) are valid; rolling back moves `length`."""
 
     def __init__(self, cfg: HeadConfig, batch: int, capacity: int, device, dtype):
-        shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.kv = torch.zeros((2, batch, cfg.num_kv_heads, capacity, cfg.head_dim), device=device, dtype=dtype)
+        self.k, self.v = self.kv[0], self.kv[1]  # views: the kernels write both through kv
         self.slots = torch.arange(capacity, device=device)  # slot positions (a captured step's mask)
         self.length = 0
 
@@ -361,7 +410,8 @@ class HeadCache:
         """Room for slots [0, end) (doubling the buffers when full)."""
         if end > self.k.shape[2]:
             more = max(end, 2 * self.k.shape[2]) - self.k.shape[2]
-            self.k, self.v = (F.pad(x, (0, 0, 0, more)) for x in (self.k, self.v))
+            self.kv = F.pad(self.kv, (0, 0, 0, more))
+            self.k, self.v = self.kv[0], self.kv[1]
             self.slots = torch.arange(self.k.shape[2], device=self.k.device)
 
     def append(self, k: torch.Tensor, v: torch.Tensor):

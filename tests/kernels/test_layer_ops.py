@@ -95,3 +95,48 @@ def test_the_model_with_the_kernels_gives_the_torch_ops_logits_and_greedy_tokens
     torch.testing.assert_close(runs["triton"], runs["torch"], rtol=1e-4, atol=1e-4)
     assert torch.equal(runs["triton"].argmax(-1), runs["torch"].argmax(-1))
 
+
+
+def tiny_pair(device):
+    from tests.conftest import tiny_llama
+    from tests.flashspec_core.test_draft_head import tiny_head
+
+    target = tiny_llama(vocab=50, seed=3, hidden=32).to(device)  # head size 16: the kernels take it
+    return target, tiny_head(target).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_the_draft_heads_captured_step_with_the_kernels_is_its_torch_step(device, dtype):
+    from flashspec_core.draft_head import HeadCache
+
+    _, head = tiny_pair(device)
+    head = head.to(dtype)
+    g = torch.Generator(device=device).manual_seed(4)
+    tokens = torch.randint(0, 50, (1, 5), generator=g, device=device)
+    hidden = torch.randn(1, 5, 32, generator=g, device=device).to(dtype)
+    runs = {}
+    for ops in ("torch", "triton"):  # a first pass over five slots, then a draft step at slot 5
+        head.layer_ops = ops
+        cache = HeadCache(head.cfg, 1, 64, device, dtype)
+        h = head.step_at(cache, tokens, hidden, torch.arange(5, device=device), 64)
+        step = head.step_at(cache, tokens[:, -1:], h[:, -1:], torch.tensor([5], device=device), 64)
+        runs[ops] = (torch.cat([h, step], dim=1).float(), head.logits(step[:, -1]).float(), cache.kv[..., :6, :].float())
+    for got, want in zip(runs["triton"], runs["torch"]):  # bfloat16: roundings apart through a whole layer
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        else:
+            assert float((got - want).norm() / want.norm()) < 0.02
+    head.layer_ops = "auto"
+
+
+def test_greedy_with_the_heads_step_on_the_kernels_equals_plain(device):
+    from flashspec_core import Engine
+
+    target, head = tiny_pair(device)
+    head.layer_ops = "triton"
+    engine = Engine.from_models(target, [head], kernel_backend="torch", captured="eager")
+    prompt = [3, 17, 8, 29, 3, 17]
+    plain = engine.generate(prompt, 24, mode="plain").token_ids
+    assert engine.generate(prompt, 24, gamma=3, drafters=["draft_head"]).token_ids == plain
+    assert engine.round.captured is not None and engine.round.launched_ahead > 0
