@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import os
 import platform
@@ -76,6 +77,14 @@ def run_engine(engine: Engine, prompt: str, max_new: int, seed: int, sampling: S
             "target_forwards": s["target_forwards"], "draft_ms_per_token": draft_ms,
             "verify_ms": 1e3 * median(e.verify_s for e in result.events), "pulls": s["pulls"],
             **round_times(result.events), "ids": result.token_ids}
+
+
+def stored(row: dict) -> dict:
+    """A row as the JSON keeps it: its ids as a digest, so that two runs' texts can be compared afterwards."""
+    out = {k: v for k, v in row.items() if k != "ids"}
+    if row.get("ids") is not None:
+        out["ids_sha1"] = hashlib.sha1(json.dumps(row["ids"]).encode()).hexdigest()[:16]
+    return out
 
 
 def round_times(events) -> dict:
@@ -269,7 +278,7 @@ def write_results(engine: Engine, rows: list[dict], peers: dict, args, argv) -> 
                rounds=args.rounds, captured=args.captured, launch_ahead=args.launch_ahead, warm_up_s=args.warm_up_s,
                eager_rounds=getattr(engine.round.captured, "eager_rounds", None))
     payload = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
-               "seed": args.seed, "gamma": args.gamma, "env": env, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
+               "seed": args.seed, "gamma": args.gamma, "env": env, "rows": [stored(r) for r in rows]}
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2))
     fields = ["prompt", "config", "tokens", "seconds", "tok_per_s", "speedup", "acceptance", "tokens_per_forward",
               "target_forwards", "draft_ms_per_token", "same_as_plain", "max_new_tokens", "round_ms_median",
