@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -313,13 +312,12 @@ class DraftHead(nn.Module):
         return self._finish(hidden, attended)
 
     def _kernels(self, x: torch.Tensor) -> bool:
-        """Whether the captured step and the logits' norm run `kernels.layer_ops`' Triton kernels: "auto" on CUDA
-        where they take the head's heads, unless FLASHSPEC_LAYER_OPS=torch (as for the target)."""
-        if self.layer_ops != "auto":
-            return self.layer_ops == "triton"
+        """Whether the captured step and the logits' norm run `kernels.layer_ops`' Triton kernels ("auto": as the
+        target chooses, `layer_ops.auto`)."""
         cfg = self.cfg
-        return (x.is_cuda and layer_ops.triton is not None and os.environ.get("FLASHSPEC_LAYER_OPS") != "torch"
-                and layer_ops.supported(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+        ops = self.layer_ops if self.layer_ops != "auto" else \
+            layer_ops.auto(x.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return ops == "triton"
 
     def _step_at_kernels(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
                          S: int) -> torch.Tensor:

@@ -276,11 +276,9 @@ class StaticCausalLM:
         or `kernels.layer_ops`' Triton kernels (CUDA, not the GGUF path). "auto": the kernels on CUDA where they
         take the model's heads, else torch; the environment's FLASHSPEC_LAYER_OPS=torch|triton overrides it (A/B)."""
         config = self.config
-        if layer_ops == "auto":
-            fits = layer_ops_kernels.supported(config.num_attention_heads, config.num_key_value_heads,
+        if layer_ops == "auto":  # on CUDA, so never the GGUF path (CPU only)
+            layer_ops = layer_ops_kernels.auto(self.device, config.num_attention_heads, config.num_key_value_heads,
                                                head_size(config))
-            kernels = self.device.type == "cuda" and layer_ops_kernels.triton is not None and not self.gguf and fits
-            layer_ops = os.environ.get("FLASHSPEC_LAYER_OPS") or ("triton" if kernels else "torch")
         if layer_ops not in LAYER_OPS:
             raise ValueError(f"unknown layer_ops {layer_ops!r}; expected one of {list(LAYER_OPS)}")
         if layer_ops == "triton":

@@ -186,6 +186,13 @@ _TL = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.
 CHUNK = 64  # keys a program of the attention takes
 
 
+def auto(device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str:
+    """What layer_ops="auto" runs: the environment's FLASHSPEC_LAYER_OPS (torch | triton, for A/B runs) where set,
+    else the kernels on CUDA where they take these heads, else torch."""
+    fits = device.type == "cuda" and triton is not None and supported(heads, kv_heads, head_dim)
+    return os.environ.get("FLASHSPEC_LAYER_OPS") or ("triton" if fits else "torch")
+
+
 def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
     """Whether the kernels take a model of these heads (the attention's: at most 16 query heads a kv head, a
     power-of-two head size of at least 16)."""
