@@ -10,7 +10,8 @@
 #            of PROBE_BATCHES (set and empty: stash only)
 #   p2:      stash GGUF part 2 (.carry/p2); the fused training loss's tests on CUDA
 #   old:     stash corpora of earlier runs (.carry/old*/NAME/corpus-NNN.safetensors) in /root/old/NAME, for
-#            TRAIN_ARGS="--set earlier=/root/old/NAME,..." (their data trains with the new run's)
+#            TRAIN_ARGS="--set earlier=/root/old/NAME,..." (their data trains with the new run's), and a run's
+#            bank_sources.json.gz for "--set sources=/root/old/NAME/bank_sources.json.gz" (no prompt making)
 #   headgo:  assemble the GGUF with part 3 (.carry/p3), start data + training in the background (TRAIN_ARGS), watch it
 #   ckpt:    add the files of .carry/ck*/ (a checkpoint brought back earlier: head shards, meta.json, corpus.json and
 #            its corpus shards, split over calls under the 64 MiB limit) to /root/ckpt
@@ -27,7 +28,8 @@
 #            (the export goes to /root/head_out, never to $OUT: its 29 MB model file cannot come back; the float32
 #            shards in $OUT/ckpt can, and `train_head --resume --train-minutes 0` exports them here), with the
 #            corpus shards named in SHARDS (e.g. "000 001": the 8 files a call brings back hold two)
-#   shards:  bring back the corpus shards named in SHARDS (at most 4 a call), for the next session's `old`
+#   shards:  bring back the corpus shards named in SHARDS (at most 4 a call) and the run's bank_sources.json.gz,
+#            for the next session's `old`
 # The machine keeps /root between calls only while it stays warm (30 s): call the next phase at once.
 # Prepare the ignored .carry/ folder once (from the repository root):
 #   mkdir -p .carry/a .carry/b && G=$(python -c "from flashspec_core.models import embedded_gguf_path as p; print(p())")
@@ -119,10 +121,11 @@ resumego)
   echo $! > /root/train.pid
   watch_run ${WATCH_S:-520} ;;
 old)
-  for d in .carry/old*/*/; do mkdir -p /root/old/$(basename $d) && cp $d/corpus-*.safetensors /root/old/$(basename $d)/; done
+  for d in .carry/old*/*/; do mkdir -p /root/old/$(basename $d) && cp $d/corpus-*.safetensors $d/*.json.gz /root/old/$(basename $d)/ 2>/dev/null; done
   ls -laR /root/old ;;
 shards)
-  ls -la /root/ckpt; for n in ${SHARDS:-}; do cp /root/ckpt/corpus-$n.safetensors "$OUT/"; done ;;
+  ls -la /root/ckpt; for n in ${SHARDS:-}; do cp /root/ckpt/corpus-$n.safetensors "$OUT/"; done
+  cp /root/ckpt/bank_sources.json.gz "$OUT/" 2>/dev/null ;;
 r1)  # the captured round (issue 15): stash GGUF part 1 (.carry/p1), its tests, the fast path's, the layer ops' and the tree kernel's on CUDA
   python3 -m pytest tests/flashspec_core/test_captured.py tests/flashspec_core/test_round.py tests/kernels/test_tree_verify.py \
     tests/flashspec_core/test_fast_path.py tests/kernels/test_layer_ops.py \

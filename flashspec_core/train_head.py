@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from flashspec_core.draft_head import DraftHead, HeadConfig, load_head, save_head
-from flashspec_core.head_data import Corpus, Gen, answer_all, broad_prompts, coverage, draft_vocabulary, follow_ups
+from flashspec_core.head_data import (Corpus, Gen, answer_all, bank_sources, broad_prompts, coverage, draft_vocabulary,
+                                     follow_ups, load_sources, save_sources)
 
 ROOT = Path(__file__).resolve().parent.parent
 OPEN_PROMPTS = ROOT / "benchmarks" / "open_prompts.json"  # hand-written, never trained on
@@ -56,6 +57,7 @@ class TrainConfig:
     max_len: int = 768  # longer sequences are cut
     data_minutes: float = 8.0  # generation budget (prompt making included); the corpus keeps what is done by then
     earlier: str = ""  # corpus folders of earlier runs (comma-separated), joined to this run's for training
+    sources: str = ""  # an earlier run's bank_sources.json.gz: draw this run's prompts from its topics and materials
     gen_dtype: str = "auto"  # the generating copy's dtype ("auto": bfloat16 on CUDA); training reads float32 features
     autocast: bool = True  # training and evaluation matmuls in bfloat16 on CUDA (float32 weights and optimizer)
     compile_loss: bool = True  # on CUDA: the loss's passes over the draft vocabulary fused by torch.compile
@@ -447,7 +449,12 @@ def make_corpus(gen: Gen, cfg: TrainConfig, folder: Path, log=print) -> Corpus:
     t0 = time.monotonic()
     deadline = t0 + cfg.data_minutes * 60
     sizes = {k: getattr(cfg, k) for k in ("topic_asks_per_domain", "materials", "bank_prompts", "self_prompts")}
-    prompts = broad_prompts(gen, sizes, rng, banned_texts(), log)
+    if cfg.sources:  # another seed draws other prompts from the same topics and materials
+        sources = load_sources(Path(cfg.sources))
+    else:
+        sources = bank_sources(gen, sizes, rng, log)
+        save_sources(sources, folder / "bank_sources.json.gz")
+    prompts = broad_prompts(gen, sources, sizes, rng, banned_texts())
     held = [{"kind": p.kind, "prompt": p.text} for p in prompts if p.heldout]
     rng.shuffle(held)
     (folder / "heldout_prompts.json").write_text(json.dumps(held[:400], indent=1))

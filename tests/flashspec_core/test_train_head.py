@@ -8,7 +8,7 @@ import torch
 
 from flashspec_core import Engine
 from flashspec_core.draft_head import load_head
-from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary
+from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary, load_sources
 from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, answer_rows, batches, compile_loss,
                                        earlier_corpora, export, load_checkpoint, load_corpus, make_corpus, merge,
                                        new_head, pad, pass_loss, save_checkpoint, save_corpus, soft_targets,
@@ -65,6 +65,23 @@ def test_corpus_is_prompt_then_answer_with_a_heldout_split(tiny, made, tmp_path)
     assert again.sequences == corpus.sequences and again.starts == corpus.starts and again.heldout == corpus.heldout
     held = json.loads((folder / "heldout_prompts.json").read_text())
     assert held and {"kind", "prompt"} <= set(held[0])
+
+
+def test_a_later_run_draws_new_prompts_from_an_earlier_runs_sources(tiny, made, tmp_path, monkeypatch):
+    """The topics and materials a run wrote are saved with its corpus; a run given them (`sources`) writes none and
+    draws its own prompts from them with its seed."""
+    from dataclasses import replace
+
+    import flashspec_core.train_head as th
+
+    corpus, folder = made
+    sources = load_sources(folder / "bank_sources.json.gz")
+    assert sources["topics"] and all(isinstance(pair, tuple) for pairs in sources["materials"].values() for pair in pairs)
+    monkeypatch.setattr(th, "bank_sources", lambda *a, **k: pytest.fail("topics and materials written again"))
+    cfg = replace(CFG, seed=1, sources=str(folder / "bank_sources.json.gz"))
+    again = make_corpus(Gen(*tiny, CFG.gen_batch, CFG.gen_cache, CFG.max_new_tokens), cfg, tmp_path, log=lambda m: None)
+    assert len(again) >= 40 and again.sequences != corpus.sequences
+    assert not (tmp_path / "bank_sources.json.gz").exists()
 
 
 def test_corpus_shards_are_uint16_and_bounded(corpus, tmp_path, monkeypatch):
