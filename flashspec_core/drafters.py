@@ -15,7 +15,9 @@ by when another arm is pulled.
 
 A deterministic drafter has q = one-hot at its token; the verifier then accepts with probability p(x).
 Model-free drafters also expose `propose_ids(row, k)`, which the engine uses to score them
-counterfactually after every round at no target cost.
+counterfactually after every round at no target cost. A model-free drafter that is not among a stream's arms is
+neither started nor updated in it (it cannot draft there); one that `remembers` across streams learns the streams
+it missed before it is next fed (`round.Transcript`).
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ class Drafter:
     model_free = True  # proposals are a pure function of the context
     aux_layers: tuple[int, ...] = ()  # target layers whose input hidden states this drafter reads
     sets_length = False  # True: propose(rows, k) picks its own length <= k, so gamma "auto" hands it the largest k
+    remembers = False  # True: keeps what it observed beyond a stream (model-free only: replayed from row 0's ids)
     guess: torch.Tensor | None = None  # [B] a hidden-state reader's first draft token at the current context
 
     def __init__(self, device: torch.device | str = "cpu"):
@@ -362,6 +365,7 @@ class NgramCache(CopyDrafter):
     `prompt_context` prompt tokens (so that an answer's first tokens can be matched after the chat template)."""
 
     name = "ngram_cache"
+    remembers = True
 
     def __init__(self, device="cpu", depth: int = 16, max_draft: int = MAX_GAMMA, prompt_context: int = 8):
         super().__init__(device, depth, max_draft)

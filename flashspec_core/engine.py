@@ -278,6 +278,7 @@ class Engine:
         """Forget cross-generation memory (the n-gram cache), e.g. between benchmark rows."""
         for d in self.drafters.values():
             d.reset_session()
+        self.round.reset_session()
 
     def generate(self, prompt, max_new_tokens: int = 64, sampling: SamplingConfig | None = None, **kwargs) -> GenerationResult:
         events = list(self.stream(prompt, max_new_tokens, sampling, **kwargs))

@@ -105,7 +105,8 @@ def best_gamma(a: float, draft: DraftCost, costs: CostModel, max_gamma: int) -> 
     if costs.plain_step() <= 0:
         return min(4, max_gamma)
 
-    rates = [expected_tokens(a, k) / (draft.seconds(k) + costs.forward(k + 1)) for k in range(1, max_gamma + 1)]
+    forward = costs.curve(max_gamma + 1)  # forward[k] = costs.forward(k + 1), computed once per observation
+    rates = [expected_tokens(a, k) / (draft.seconds(k) + forward[k]) for k in range(1, max_gamma + 1)]
     return 1 + rates.index(max(rates))
 
 

@@ -18,6 +18,9 @@ Shaped for capture (the eager path here is the specification: a captured round m
 - The pending token (the last emitted id, which the next verify feeds first) stays on the device: `launch`
   gathers it from the accept test's output at the shortest accepted count, itself a device tensor. The host's
   rows reach the device only through `start` and the model-free drafters' proposals.
+- The model-free drafters learn each round only where they are among the stream's arms (`fed`): one that is not
+  cannot draft in the stream, and its update is most of a round's host work on the CPU. The n-gram cache, which
+  remembers across streams, catches up on a stream it missed before it is next fed (`Transcript`).
 - The draft head reads every verify forward (`observe` with the target's hidden states, whatever arm was
   pulled) and runs its first pass at once, so a head draft is K - 1 chained steps from state already on the
   device, and its first-pass guess (`Drafter.guess`, a device tensor) rides in the next round's host copy.
@@ -38,7 +41,7 @@ from an upper bound), and `land` takes rounds in launch order.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -80,6 +83,32 @@ class HostCopy:
                    guesses={name: int(g) for name, g in zip(guessers, guess)})
 
 
+@dataclass
+class Transcript:
+    """A stream's row 0 as a copy drafter reads it: the prompt, then each landed round's new ids. A drafter that
+    remembers across streams (`Drafter.remembers`) and is not among a stream's arms is not fed during it; the
+    transcript is replayed into it before it is next fed, so that it learns what every round would have taught it."""
+    prompt: list[int]
+    rounds: list[list[int]] = field(default_factory=list)
+    length: int = 0  # row 0's length after the last round recorded (the prompt's before the first)
+
+    def __post_init__(self):
+        self.length = len(self.prompt)
+
+    def record(self, row: list[int]) -> None:
+        """After a round landed on `row`: the ids it appended."""
+        self.rounds.append(row[self.length:])
+        self.length = len(row)
+
+    def replay(self, drafter: Drafter) -> None:
+        """`start` and each round's `observe`, as the stream would have called them on row 0."""
+        row = self.prompt[:]
+        drafter.start([row], None, None)
+        for new in self.rounds:
+            row.extend(new)
+            drafter.observe([row], len(row) - 1)
+
+
 CAPTURED = ("auto", "eager", "off")
 
 
@@ -101,6 +130,9 @@ class DeviceRound:
         self.launched_ahead = 0  # rounds launched before the one before them landed (a stream's counter)
         self._landed_at = 0.0  # when the last round landed (a round's wall time starts no earlier)
         self._pinned: dict[tuple, list[torch.Tensor]] = {}  # host buffers for captured rounds' records, two a size
+        self.fed: list[Drafter] = list(drafters.values())  # the drafters the stream keeps current (`start`)
+        self.transcript: Transcript | None = None  # the stream's, while a drafter that remembers is not fed
+        self.backlog: dict[str, list[Transcript]] = {}  # per such drafter: the streams it missed, oldest first
 
     # -- the two calls -------------------------------------------------------------------------------
     def start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
@@ -108,10 +140,12 @@ class DeviceRound:
               captured: bool = True) -> float:
         """Prefill the target (all but the last token: each round feeds the pending token) and the drafters;
         returns the seconds it took. The target reports hidden states from here on only if one of `arms`
-        (default: every drafter) reads them. captured=False: this stream runs eager rounds (tree rounds do)."""
+        (default: every drafter) reads them, and only they and the model drafters are fed (`feed`).
+        captured=False: this stream runs eager rounds (tree rounds do)."""
         t0 = time.perf_counter()
         self.unlanded.clear()  # a round the last stream left in flight is dropped (its device work is queued first)
         self.launched_ahead = 0
+        self.feed(rows, arms)
         readers = [self.drafters[a] for a in (arms or self.drafters)]
         self.target.aux_layers = next((d.aux_layers for d in readers if d.aux_layers), ())
         self.target.reset()
@@ -123,7 +157,7 @@ class DeviceRound:
         c = self.captured
         if c is not None:
             generator = c.begin(torch.tensor([r[-1:] for r in rows], device=self.device), sampling, generator)
-        for d in self.drafters.values():
+        for d in self.fed:
             d.start(rows, sampling, generator, hidden=hidden if d.aux_layers else None)
         self.pending = torch.tensor([r[-1:] for r in rows], device=self.device) if c is None else c.pending  # [B, 1]
         self.sync()
@@ -144,6 +178,24 @@ class DeviceRound:
 
         return run_tree(self, rows, drafter, shape, sampling, generator, nodes)
 
+    def feed(self, rows: list[list[int]], arms: list[str] | None) -> None:
+        """Choose the drafters the stream starting at `rows` keeps current: its arms (default: every drafter) and every
+        model drafter. One that remembers across streams first replays the streams it missed (in order), and this
+        stream's transcript is kept for it when it misses this one."""
+        names = set(arms or self.drafters)
+        self.fed = [d for name, d in self.drafters.items() if name in names or not d.model_free]
+        missed = [name for name, d in self.drafters.items() if d.remembers and d not in self.fed]
+        self.transcript = Transcript(rows[0][:]) if missed else None
+        for d in self.fed:
+            for transcript in self.backlog.pop(d.name, []):
+                transcript.replay(d)
+        for name in missed:
+            self.backlog.setdefault(name, []).append(self.transcript)
+
+    def reset_session(self) -> None:
+        """Forget the streams that drafters which remember missed (with the drafters' own `reset_session`)."""
+        self.backlog = {}
+
     # -- the round -----------------------------------------------------------------------------------
     def on_device(self, drafter: Drafter) -> bool:
         """Whether a round of `drafter` can be launched before the round before it lands: captured rounds whose
@@ -154,6 +206,8 @@ class DeviceRound:
     def launch(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator) -> Launched:
         """Draft, verify and the accept test, all on the device; nothing here reads the device. With a round in
         flight (`on_device` arms only) it runs after that round on the device and lands after it."""
+        if drafter not in self.fed:
+            raise ValueError(f"{drafter.name} is not among the stream's arms: start the stream with it")
         if self.unlanded:
             if not self.on_device(drafter):
                 raise ValueError(f"a round of {drafter.name} needs the host's rows: land the round in flight first")
@@ -205,9 +259,10 @@ class DeviceRound:
                            device_s)
 
     def _update(self, rows: list[list[int]], kept: int, hidden: torch.Tensor | None) -> None:
-        """Every drafter learns the round; the hidden-state readers get `hidden` [B, n, F], the target's features
+        """Every fed drafter learns the round; the hidden-state readers get `hidden` [B, n, F], the target's features
         of the n newly verified positions (the pending token and the accepted drafts), whichever arm drafted."""
-        for d in self.drafters.values():
+        self._record(rows)
+        for d in self.fed:
             d.observe(rows, kept, hidden=hidden if d.aux_layers else None)
 
     # -- captured rounds ------------------------------------------------------------------------------
@@ -244,14 +299,19 @@ class DeviceRound:
 
     def _update_captured(self, rows: list[list[int]], kept: int) -> None:
         """After a captured round: the head has observed it on the device (its cache now holds `kept` slots);
-        every other drafter learns it as in `_update`."""
-        for d in self.drafters.values():
+        every other fed drafter learns it as in `_update`."""
+        self._record(rows)
+        for d in self.fed:
             if d is self.captured.head:
                 d.cache.length = kept
                 f = d.fixed
                 d.h, d.logits, d.guess = f.h, f.logits, f.guess
             else:
                 d.observe(rows, kept)
+
+    def _record(self, rows: list[list[int]]) -> None:
+        if self.transcript is not None:
+            self.transcript.record(rows[0])
 
     def _guessers(self) -> list[str]:
         """The drafters that hold a first-pass guess at the current context (the draft head, when it is fed)."""

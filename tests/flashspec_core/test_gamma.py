@@ -1,4 +1,6 @@
 """Gamma selection from acceptance and measured costs."""
+import random
+
 import pytest
 
 from flashspec_core.gamma import Acceptance, CostModel, DraftCost, best_gamma, best_length, expected_tokens
@@ -37,6 +39,22 @@ def test_a_draft_cost_per_round_favours_longer_drafts():
     step = DraftCost(per_token=0.01)
     assert best_gamma(0.6, DraftCost(per_token=0.01, per_round=0.05), c, 16) > best_gamma(0.6, step, c, 16)
     assert step.seconds(0) == 0.0 and DraftCost(0.01, 0.05).seconds(3) == pytest.approx(0.08)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_gamma_picks_the_k_of_the_most_tokens_per_second_as_costs_move(seed):
+    """best_gamma reads the target's costs from CostModel.curve (kept between observations): the pick is the argmax
+    of the rates from CostModel.forward, before and after a new observation changes the curve."""
+    rng = random.Random(seed)
+    c = CostModel(decay=0.5)
+    for t in sorted(rng.sample(range(1, 18), 4)):
+        c.observe(t, rng.uniform(0.01, 0.05) * (1 + 0.05 * t))
+    for step in range(30):
+        a, draft = rng.random(), DraftCost(per_token=rng.uniform(0, 0.01), per_round=rng.uniform(0, 0.02))
+        rates = [expected_tokens(a, k) / (draft.seconds(k) + c.forward(k + 1)) for k in range(1, 17)]
+        assert best_gamma(a, draft, c, 16) == 1 + rates.index(max(rates))
+        if step % 5 == 4:
+            c.observe(rng.randint(1, 17), rng.uniform(0.005, 0.08))
 
 
 def test_acceptance_estimate_tracks_geometric_trials():

@@ -1,6 +1,7 @@
 """The device round on its own: driven directly it gives the engine's tokens; the draft head keeps every verified
 slot whatever arm drafts (waiting slots go through one batched first pass before it drafts, or once CATCH_UP of
-them wait) and is scored whenever it is current; a round reads the device once."""
+them wait) and is scored whenever it is current; a round reads the device once; a model-free drafter outside the
+stream's arms is not fed, and the n-gram cache later learns the streams it missed."""
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ from flashspec_core import Engine, SamplingConfig
 from flashspec_core.draft_head import HeadCache
 from flashspec_core.drafters import DraftHeadDrafter, NoDraft, PromptLookup
 from flashspec_core.fast_path import StaticCausalLM, fast_or_eager
+from flashspec_core.gamma import CostModel, DraftCost
 from flashspec_core.round import DeviceRound
 from tests.conftest import tiny_llama
 from tests.flashspec_core.test_draft_head import tiny_head
@@ -145,3 +147,60 @@ def test_a_round_reads_the_device_once(target, head, arm, sampling, captured, mo
         assert reads[before:] == ["tolist"], reads[before:]
         current = captured == "eager" or i == 0  # eager rounds: current after the prompt, then slots wait
         assert set(out.guesses) == ({"draft_head"} if current else set())  # its guess rode in the same copy
+
+
+def counted(drafter, monkeypatch) -> dict[str, int]:
+    """Count the drafter's start and observe calls from now on."""
+    calls = {"start": 0, "observe": 0}
+    for method in calls:
+        def wrapper(*args, _inner=getattr(drafter, method), _name=method, **kwargs):
+            calls[_name] += 1
+            return _inner(*args, **kwargs)
+        monkeypatch.setattr(drafter, method, wrapper)
+    return calls
+
+
+@pytest.mark.parametrize("captured", ["eager", "off"])
+def test_model_free_drafters_that_are_not_arms_are_not_fed(target, head, captured, monkeypatch):
+    """A model-free drafter outside the stream's arms is neither started nor updated (and cannot be launched); one
+    among them is started once and updated after every round; the tokens stay plain decoding's."""
+    engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
+                                captured=captured)
+    plain = engine.generate(PROMPT, 24, mode="plain").token_ids
+    calls = {name: counted(engine.drafters[name], monkeypatch) for name in ("prompt_lookup", "ngram_cache")}
+    assert engine.generate(PROMPT, 24, drafters=["draft_head"]).token_ids == plain
+    assert calls["prompt_lookup"] == calls["ngram_cache"] == {"start": 0, "observe": 0}
+    with pytest.raises(ValueError, match="not among the stream's arms"):
+        engine.round.launch([list(PROMPT)], engine.drafters["prompt_lookup"], 2, GREEDY, None)
+    lookup = engine.generate(PROMPT, 24, drafters=["prompt_lookup"])
+    assert lookup.token_ids == plain
+    assert calls["prompt_lookup"] == {"start": 1, "observe": len(lookup.events)}
+    assert calls["ngram_cache"] == {"start": 0, "observe": 0}
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "t1"])
+@pytest.mark.parametrize("reset", [False, True], ids=["session", "reset"])
+def test_the_ngram_cache_learns_the_streams_it_missed(target, head, reset, sampling, monkeypatch):
+    """The n-gram cache remembers across streams: one it was not an arm of (not fed) is replayed into it before it is
+    next fed, so that it then drafts and knows what it would have had every round fed it; after reset_session it
+    forgets that stream too."""
+    runs = []
+    for feed_all in (False, True):
+        engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
+                                    captured="eager")
+        costs = CostModel(decay=0.0)  # the same costs in both engines (the copy drafters' lengths weigh them)
+        for T, seconds in ((1, 0.010), (17, 0.014)):
+            costs.observe(T, seconds)
+        engine.policy.set_costs(costs)
+        engine.policy.draft_costs.update({name: DraftCost(per_token=0.001) for name in engine.drafters})
+        if feed_all:  # the reference: every drafter fed in every stream, whatever its arms
+            r = engine.round
+            monkeypatch.setattr(r, "feed", lambda rows, arms, r=r: setattr(r, "fed", list(r.drafters.values())))
+        engine.generate(PROMPT, 30, drafters=["draft_head"])
+        if reset:
+            engine.reset_session()
+        result = engine.generate(PROMPT, 30, sampling=sampling, drafters=["ngram_cache"], seed=2)
+        ngram = engine.drafters["ngram_cache"]
+        runs.append(([(e.gamma, e.emitted) for e in result.events], ngram.index.stream, ngram.odds.buckets))
+    assert runs[0] == runs[1]
+    assert reset or max(gamma for gamma, _ in runs[0][0]) > 0  # it copied the missed stream's answer
