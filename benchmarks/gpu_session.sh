@@ -26,10 +26,10 @@
 #            (benchmarks.gpu_step --layer-ops torch triton); no GGUF needed
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
 #            (the export goes to /root/head_out, never to $OUT: its 29 MB model file cannot come back; the float32
-#            shards in $OUT/ckpt can, and `train_head --resume --train-minutes 0` exports them here), with the
-#            corpus shards named in SHARDS (e.g. "000 001": the 8 files a call brings back hold two)
-#   shards:  bring back the corpus shards named in SHARDS (at most 4 a call) and the run's bank_sources.json.gz,
-#            for the next session's `old`
+#            shards in $OUT/ckpt can, and `train_head --resume --train-minutes 0` exports them here): the log, the
+#            head's and AdamW's shards, meta.json and corpus.json fill the 8 files a call brings back
+#   shards:  bring back the corpus shards named in SHARDS (at most 4 a call), the run's bank_sources.json.gz and
+#            heldout_prompts.json, for the next session's `old` and the evaluation
 # The machine keeps /root between calls only while it stays warm (30 s): call the next phase at once.
 # Prepare the ignored .carry/ folder once (from the repository root):
 #   mkdir -p .carry/a .carry/b && G=$(python -c "from flashspec_core.models import embedded_gguf_path as p; print(p())")
@@ -70,8 +70,9 @@ watch_run() {  # follow /root/train.log until the run ends or $1 seconds pass
   kill -0 "$(cat /root/train.pid)" 2>/dev/null && echo "still running" && return 1
   echo "run ended"; tail -25 /root/train.log; return 0
 }
-bring_back() {  # the checkpoint folder, one level down in $OUT (files of at most 15 MB each)
-  mkdir -p "$OUT/ckpt" && cp /root/ckpt/head-*.safetensors /root/ckpt/meta.json "$OUT/ckpt/" && ls -la "$OUT/ckpt"
+bring_back() {  # the checkpoint folder (weights, AdamW moments, meta), one level down in $OUT (files under 15 MB each)
+  mkdir -p "$OUT/ckpt" && cp /root/ckpt/head-*.safetensors /root/ckpt/opt-*.safetensors /root/ckpt/meta.json "$OUT/ckpt/"
+  ls -la "$OUT/ckpt"
 }
 case "$phase" in
 a)
@@ -108,8 +109,7 @@ headgo)
   watch_run ${WATCH_S:-520} ;;
 watch)
   if watch_run ${WATCH_S:-520}; then
-    cp /root/train.log "$OUT/" && bring_back && cp /root/ckpt/corpus.json /root/ckpt/heldout_prompts.json "$OUT/"  # 8 files at most
-    for n in ${SHARDS:-}; do cp /root/ckpt/corpus-$n.safetensors "$OUT/"; done
+    cp /root/train.log "$OUT/" && bring_back && cp /root/ckpt/corpus.json "$OUT/"  # 8 files: the rest with `shards`
     [ -n "${EVAL_ARGS:-}" ] && python3 -m benchmarks.head ${EVAL_ARGS} 2>&1 | grep -v -i "loading weights" | tail -40
     cp benchmarks/results/head_embedded_cuda*.json "$OUT/" 2>/dev/null
   fi ;;
@@ -125,7 +125,7 @@ old)
   ls -laR /root/old ;;
 shards)
   ls -la /root/ckpt; for n in ${SHARDS:-}; do cp /root/ckpt/corpus-$n.safetensors "$OUT/"; done
-  cp /root/ckpt/bank_sources.json.gz "$OUT/" 2>/dev/null ;;
+  cp /root/ckpt/bank_sources.json.gz /root/ckpt/heldout_prompts.json "$OUT/" 2>/dev/null ;;
 r1)  # the captured round (issue 15): stash GGUF part 1 (.carry/p1), its tests, the fast path's, the layer ops' and the tree kernel's on CUDA
   python3 -m pytest tests/flashspec_core/test_captured.py tests/flashspec_core/test_round.py tests/kernels/test_tree_verify.py \
     tests/flashspec_core/test_fast_path.py tests/kernels/test_layer_ops.py \

@@ -11,8 +11,8 @@ from flashspec_core.draft_head import load_head
 from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary, load_sources
 from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, answer_rows, batches, compile_loss,
                                        earlier_corpora, export, load_checkpoint, load_corpus, make_corpus, merge,
-                                       new_head, pad, pass_loss, save_checkpoint, save_corpus, soft_targets,
-                                       step_loss, train, valid)
+                                       new_head, optimizer, pad, pass_loss, resumed, save_checkpoint, save_corpus,
+                                       soft_targets, step_loss, train, train_step, valid)
 
 CFG = TrainConfig(topic_asks_per_domain=1, materials=8, bank_prompts=40, self_prompts=4, follow_ups=4, max_new_tokens=10,
                   gen_batch=64, round_answers=32, draft_vocab=256, ttt_steps=3, batch_tokens=512, max_len=256,
@@ -177,7 +177,7 @@ def test_a_few_steps_lower_the_loss_on_a_batch(tiny, corpus):
         opt.step()
     assert step_loss(head, model, batch, CFG).item() < 0.92 * first  # the cross-entropy of the target's laws has a floor well above 0
     embed_before = model.get_input_embeddings().weight.clone()
-    curve = train(head, model, corpus, CFG, "cpu", log=lambda m: None)
+    curve = train(head, model, corpus, CFG, optimizer(head, CFG), log=lambda m: None)
     assert curve and {"loss", "greedy_tokens_per_forward", "t1_tokens_per_forward", "top1_per_pass"} <= set(curve[-1])
     assert torch.equal(model.get_input_embeddings().weight, embed_before)  # the target is never trained
 
@@ -218,6 +218,36 @@ def test_checkpoint_and_export_load_back_and_draft_exactly(tiny, corpus, tmp_pat
     engine = Engine.from_models(model, [shipped], tokenizer=tokenizer)
     plain = engine.generate("Tell me about rivers.", 12, mode="plain").token_ids
     assert engine.generate("Tell me about rivers.", 12, drafters=["draft_head"], gamma=3).token_ids == plain
+
+
+def test_a_checkpoint_keeps_the_optimizers_moments_for_the_run_that_goes_on(tiny, corpus, tmp_path):
+    """save_checkpoint with the optimizer writes its AdamW moments; `optimizer` over a head loaded from that folder
+    takes them (same step count and moments by parameter name), a fresh one has none; --init from a checkpoint folder
+    takes its weights and moments."""
+    import argparse
+
+    from flashspec_core.train_head import moments_from, start_head
+
+    model, _ = tiny
+    head = new_head(model, corpus, CFG, [2])
+    opt = optimizer(head, CFG)
+    assert not resumed(opt)
+    batch = pad(corpus, batches(corpus, corpus.split(False), CFG, random.Random(0))[0], CFG.max_len, "cpu")
+    for _ in range(3):
+        train_step(head, model, batch, CFG, opt, [p for p in head.parameters() if p.requires_grad])
+    meta = {"target": "tiny", "head": {**head.cfg.__dict__, "aux_layers": list(head.cfg.aux_layers)}, "steps": 3}
+    save_checkpoint(head, tmp_path / "ckpt", meta, opt)
+    args = argparse.Namespace(resume=False, init=str(tmp_path / "ckpt"))
+    again, _ = start_head(args, CFG, model, corpus, tmp_path / "new", [2])
+    moved = optimizer(again, CFG, moments_from(args, tmp_path / "new"))
+    assert resumed(moved) and len(moved.state) == len(opt.state)
+    saved = {n: opt.state[p] for n, p in head.named_parameters() if p in opt.state}
+    for n, p in again.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, dict(head.named_parameters())[n]), n
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(moved.state[p][key], saved[n][key]), (n, key)
+    assert moments_from(argparse.Namespace(resume=False, init=None), tmp_path) is None
 
 
 def test_init_takes_a_shipped_heads_trainable_weights_whatever_its_vocabulary(tiny, corpus, tmp_path):
