@@ -7,7 +7,8 @@ time stays small beside the host's.
 
 Each call is timed with the host clock (on the CPU a captured round's device work runs inside `launch`, so `land`
 is host work only); the figures are the median over --streams streams of each stream's mean per round. The ids'
-digest lets two runs (e.g. two commits) be checked for the same tokens. Numbers, not assertions.
+digest lets two runs (e.g. two commits) be checked for the same tokens. Writes benchmarks/results/host_round_cpu
+[_TAG].json and prints it. Numbers, not assertions.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from statistics import median
 
 import torch
 
+from benchmarks.run import RESULTS, environment
 from flashspec_core import Engine
 from tests.conftest import tiny_llama
 from tests.flashspec_core.test_draft_head import tiny_head
@@ -47,6 +49,7 @@ def main() -> None:
     ap.add_argument("--gamma", default="auto", help='"auto" or a fixed K')
     ap.add_argument("--streams", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--tag", default="")
     args = ap.parse_args()
     torch.set_num_threads(1)
     target = tiny_llama(vocab=50, seed=3, layers=4)
@@ -69,9 +72,12 @@ def main() -> None:
         rounds = len(result.events)
         for k, (seconds, _) in spent.items():
             per_round[k].append(1e3 * seconds / rounds)
-    out = {k: round(median(v), 4) for k, v in per_round.items()}
-    print(json.dumps({"drafters": args.drafters, "gamma": args.gamma, "ms_per_round": out,
-                      "rounds": rounds, "ids_sha1": digest.hexdigest()[:16]}))
+    out = {"command": "python -m benchmarks.host_round", "drafters": args.drafters, "gamma": args.gamma,
+           "ms_per_round": {k: round(median(v), 4) for k, v in per_round.items()}, "rounds": rounds,
+           "ids_sha1": digest.hexdigest()[:16], "env": environment()}
+    path = RESULTS / f"host_round_cpu{'_' + args.tag if args.tag else ''}.json"
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({k: out[k] for k in ("drafters", "gamma", "ms_per_round", "rounds", "ids_sha1")}), "->", path)
 
 
 if __name__ == "__main__":
