@@ -140,7 +140,7 @@ class DeviceRound:
               captured: bool = True) -> float:
         """Prefill the target (all but the last token: each round feeds the pending token) and the drafters;
         returns the seconds it took. The target reports hidden states from here on only if one of `arms`
-        (default: every drafter) reads them, and only they and the model drafters are fed (`feed`).
+        (default: every drafter) reads them, and only they and the hidden-state readers are fed (`feed`).
         captured=False: this stream runs eager rounds (tree rounds do)."""
         t0 = time.perf_counter()
         self.unlanded.clear()  # a round the last stream left in flight is dropped (its device work is queued first)
@@ -179,11 +179,13 @@ class DeviceRound:
         return run_tree(self, rows, drafter, shape, sampling, generator, nodes)
 
     def feed(self, rows: list[list[int]], arms: list[str] | None) -> None:
-        """Choose the drafters the stream starting at `rows` keeps current: its arms (default: every drafter) and every
-        model drafter. One that remembers across streams first replays the streams it missed (in order), and this
+        """Choose the drafters the stream starting at `rows` keeps current: its arms (default: every drafter) and the
+        hidden-state readers (the draft head: its state is a captured round's; it gets features only when an arm
+        reads them). A draft model that is not an arm is not started (its prefill would be wasted: a plain stream
+        paid it). One that remembers across streams first replays the streams it missed (in order), and this
         stream's transcript is kept for it when it misses this one."""
         names = set(arms or self.drafters)
-        self.fed = [d for name, d in self.drafters.items() if name in names or not d.model_free]
+        self.fed = [d for name, d in self.drafters.items() if name in names or d.aux_layers]
         missed = [name for name, d in self.drafters.items() if d.remembers and d not in self.fed]
         self.transcript = Transcript(rows[0][:]) if missed else None
         for d in self.fed:

@@ -1,7 +1,7 @@
 """The device round on its own: driven directly it gives the engine's tokens; the draft head keeps every verified
 slot whatever arm drafts (waiting slots go through one batched first pass before it drafts, or once CATCH_UP of
-them wait) and is scored whenever it is current; a round reads the device once; a model-free drafter outside the
-stream's arms is not fed, and the n-gram cache later learns the streams it missed."""
+them wait) and is scored whenever it is current; a round reads the device once; a copy drafter or draft model
+outside the stream's arms is not fed, and the n-gram cache later learns the streams it missed."""
 import pytest
 import torch
 
@@ -176,6 +176,20 @@ def test_model_free_drafters_that_are_not_arms_are_not_fed(target, head, capture
     assert lookup.token_ids == plain
     assert calls["prompt_lookup"] == {"start": 1, "observe": len(lookup.events)}
     assert calls["ngram_cache"] == {"start": 0, "observe": 0}
+
+
+def test_a_draft_model_that_is_not_an_arm_runs_nothing(target, monkeypatch):
+    """A plain stream (or one of other arms) neither prefills nor rolls back a draft model; as the stream's arm it is
+    started once and the tokens stay plain decoding's."""
+    engine = Engine.from_models(target, [tiny_llama(vocab=V, seed=5), "prompt_lookup"], kernel_backend="torch")
+    name = next(n for n, d in engine.drafters.items() if not d.model_free)
+    engine.calibrate()  # measures each drafter's cost once (it starts them)
+    calls = counted(engine.drafters[name], monkeypatch)
+    plain = engine.generate(PROMPT, 16, mode="plain").token_ids
+    assert engine.generate(PROMPT, 16, drafters=["prompt_lookup"]).token_ids == plain
+    assert calls == {"start": 0, "observe": 0}
+    assert engine.generate(PROMPT, 16, drafters=[name], gamma=3).token_ids == plain
+    assert calls["start"] == 1 and calls["observe"] > 0
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "t1"])
