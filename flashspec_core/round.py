@@ -184,7 +184,7 @@ class DeviceRound:
         reads them). A draft model that is not an arm is not started (its prefill would be wasted: a plain stream
         paid it). One that remembers across streams first replays the streams it missed (in order), and this
         stream's transcript is kept for it when it misses this one."""
-        names = set(arms or self.drafters)
+        names = set(arms or self.drafters) | {NoDraft.name}  # a plain step is always allowed
         self.fed = [d for name, d in self.drafters.items() if name in names or d.aux_layers]
         missed = [name for name, d in self.drafters.items() if d.remembers and d not in self.fed]
         self.transcript = Transcript(rows[0][:]) if missed else None
