@@ -4,9 +4,9 @@ tok/s on the hand-written open prompts.
     python -m benchmarks.tree_round [--prompts 12] [--max-new-tokens 96] [--precision float32] [--temperature 0]
 
 For each prompt (through the chat template) the embedded model decodes --max-new-tokens tokens four ways from the
-same state, each through `DeviceRound` with its own arms (plain feeds no drafter): plain (K = 0), head chains of 4 and 6 (`run`), and head trees
-(`run_tree`, `TREES`; "auto" sized each round by the engine's policy from this machine's measured costs),
-ignoring end-of-text so that every row makes the same number of tokens. Greedy rows must
+same state, each through `DeviceRound` with its own arms (plain feeds no drafter): plain (K = 0), head chains of
+4 and 6 (`run`), and head trees (`run_tree`, `TREES`; "auto" sized each round by the engine's policy from this
+machine's measured costs), ignoring end-of-text so that every row makes the same number of tokens. Greedy rows must
 equal plain decoding token for token; at --temperature > 0 the rows are seeded samples (same seed per prompt).
 Writes JSON under benchmarks/results/ and prints a table. Numbers, not assertions.
 """

@@ -280,7 +280,8 @@ def bank_sources(gen: Gen, sizes: dict[str, int], rng: random.Random, log=print)
     t0 = time.monotonic()
     topics = list_topics(gen, rng, sizes["topic_asks_per_domain"])
     materials = write_materials(gen, topics, sizes["materials"], rng)
-    log(f"{len(topics)} topics; materials {({k: len(v) for k, v in materials.items()})} in {time.monotonic() - t0:.0f} s")
+    counts = {k: len(v) for k, v in materials.items()}
+    log(f"{len(topics)} topics; materials {counts} in {time.monotonic() - t0:.0f} s")
     return {"topics": topics, "materials": materials}
 
 
@@ -294,7 +295,8 @@ def load_sources(path: Path) -> dict:
     return sources
 
 
-def broad_prompts(gen: Gen, sources: dict, sizes: dict[str, int], rng: random.Random, banned: list[str]) -> list[Prompt]:
+def broad_prompts(gen: Gen, sources: dict, sizes: dict[str, int], rng: random.Random,
+                  banned: list[str]) -> list[Prompt]:
     """The bank's prompts over the sources' topics and materials, plus user turns the target writes itself;
     de-duplicated, and none that resembles a banned text (the app's examples, the hand-written set)."""
     prompts = make_prompts(sizes["bank_prompts"], sources["topics"], sources["materials"], rng)

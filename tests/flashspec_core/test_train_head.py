@@ -11,8 +11,8 @@ from flashspec_core.draft_head import load_head
 from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary, load_sources
 from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, answer_rows, batches, compile_loss,
                                        earlier_corpora, export, load_checkpoint, load_corpus, make_corpus, merge,
-                                       new_head, optimizer, pad, pass_loss, resumed, save_checkpoint, save_corpus,
-                                       soft_targets, step_loss, train, train_step, valid)
+                                       has_moments, new_head, optimizer, pad, pass_loss, save_checkpoint,
+                                       save_corpus, soft_targets, step_loss, train, train_step, valid)
 
 CFG = TrainConfig(topic_asks_per_domain=1, materials=8, bank_prompts=40, self_prompts=4, follow_ups=4, max_new_tokens=10,
                   gen_batch=64, round_answers=32, draft_vocab=256, ttt_steps=3, batch_tokens=512, max_len=256,
@@ -76,7 +76,8 @@ def test_a_later_run_draws_new_prompts_from_an_earlier_runs_sources(tiny, made, 
 
     corpus, folder = made
     sources = load_sources(folder / "bank_sources.json.gz")
-    assert sources["topics"] and all(isinstance(pair, tuple) for pairs in sources["materials"].values() for pair in pairs)
+    pairs = [pair for kind in sources["materials"].values() for pair in kind]
+    assert sources["topics"] and all(isinstance(pair, tuple) for pair in pairs)
     monkeypatch.setattr(th, "bank_sources", lambda *a, **k: pytest.fail("topics and materials written again"))
     cfg = replace(CFG, seed=1, sources=str(folder / "bank_sources.json.gz"))
     again = make_corpus(Gen(*tiny, CFG.gen_batch, CFG.gen_cache, CFG.max_new_tokens), cfg, tmp_path, log=lambda m: None)
@@ -231,7 +232,7 @@ def test_a_checkpoint_keeps_the_optimizers_moments_for_the_run_that_goes_on(tiny
     model, _ = tiny
     head = new_head(model, corpus, CFG, [2])
     opt = optimizer(head, CFG)
-    assert not resumed(opt)
+    assert not has_moments(opt)
     batch = pad(corpus, batches(corpus, corpus.split(False), CFG, random.Random(0))[0], CFG.max_len, "cpu")
     for _ in range(3):
         train_step(head, model, batch, CFG, opt, [p for p in head.parameters() if p.requires_grad])
@@ -240,7 +241,7 @@ def test_a_checkpoint_keeps_the_optimizers_moments_for_the_run_that_goes_on(tiny
     args = argparse.Namespace(resume=False, init=str(tmp_path / "ckpt"))
     again, _ = start_head(args, CFG, model, corpus, tmp_path / "new", [2])
     moved = optimizer(again, CFG, moments_from(args, tmp_path / "new"))
-    assert resumed(moved) and len(moved.state) == len(opt.state)
+    assert has_moments(moved) and len(moved.state) == len(opt.state)
     saved = {n: opt.state[p] for n, p in head.named_parameters() if p in opt.state}
     for n, p in again.named_parameters():
         if p.requires_grad:
