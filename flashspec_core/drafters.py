@@ -15,9 +15,9 @@ by when another arm is pulled.
 
 A deterministic drafter has q = one-hot at its token; the verifier then accepts with probability p(x).
 Model-free drafters also expose `propose_ids(row, k)`, which the engine uses to score them
-counterfactually after every round at no target cost. A model-free drafter that is not among a stream's arms is
-neither started nor updated in it (it cannot draft there); one that `remembers` across streams learns the streams
-it missed before it is next fed (`round.Transcript`).
+counterfactually after every round at no target cost. A drafter that is not among a stream's arms (the draft head
+apart, and the no-draft arm) is neither started nor updated in it (it cannot draft there); one that `remembers`
+across streams learns the streams it missed before it is next fed (`round.Transcript`).
 """
 from __future__ import annotations
 

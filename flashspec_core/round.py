@@ -18,9 +18,10 @@ Shaped for capture (the eager path here is the specification: a captured round m
 - The pending token (the last emitted id, which the next verify feeds first) stays on the device: `launch`
   gathers it from the accept test's output at the shortest accepted count, itself a device tensor. The host's
   rows reach the device only through `start` and the model-free drafters' proposals.
-- The model-free drafters learn each round only where they are among the stream's arms (`fed`): one that is not
-  cannot draft in the stream, and its update is most of a round's host work on the CPU. The n-gram cache, which
-  remembers across streams, catches up on a stream it missed before it is next fed (`Transcript`).
+- The copy drafters and draft models learn each round only where they are among the stream's arms (`fed`): one
+  that is not cannot draft in the stream, and a copy drafter's update is most of a round's host work on the CPU (a
+  draft model's start, a prefill). The n-gram cache, which remembers across streams, catches up on a stream it
+  missed before it is next fed (`Transcript`).
 - The draft head reads every verify forward (`observe` with the target's hidden states, whatever arm was
   pulled) and runs its first pass at once, so a head draft is K - 1 chained steps from state already on the
   device, and its first-pass guess (`Drafter.guess`, a device tensor) rides in the next round's host copy.
