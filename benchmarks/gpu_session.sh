@@ -127,9 +127,10 @@ shards)
   ls -la /root/ckpt; for n in ${SHARDS:-}; do cp /root/ckpt/corpus-$n.safetensors "$OUT/"; done
   cp /root/ckpt/bank_sources.json.gz /root/ckpt/heldout_prompts.json "$OUT/" 2>/dev/null ;;
 r1)  # the captured round (issue 15): stash GGUF part 1 (.carry/p1), its tests, the fast path's, the layer ops' and the tree kernel's on CUDA
-  python3 -m pytest tests/flashspec_core/test_captured.py tests/flashspec_core/test_round.py tests/kernels/test_tree_verify.py \
-    tests/flashspec_core/test_fast_path.py tests/kernels/test_layer_ops.py \
-    -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_captured_cuda.log" | tail -15 ;;
+  # R1_TESTS replaces the list (R1_TIMEOUT s at most: a cut run still leaves its log)
+  timeout ${R1_TIMEOUT:-540} python3 -m pytest ${R1_TESTS:-tests/kernels/test_layer_ops.py \
+    tests/flashspec_core/test_captured.py tests/flashspec_core/test_round.py tests/kernels/test_tree_verify.py \
+    tests/flashspec_core/test_fast_path.py} -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_captured_cuda.log" | tail -15 ;;
 r2)  # stash GGUF part 2 (.carry/p2), and the verify kernel's tests on CUDA
   python3 -m pytest tests/kernels/test_verify.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_verify_cuda.log" | tail -5 ;;
 r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RUN_ARGS: one run per line)

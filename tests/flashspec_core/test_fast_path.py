@@ -453,7 +453,7 @@ def test_an_eleven_token_verify_equals_one_token_steps_on_the_embedded_file(embe
     assert _lone_tail(33) and _lone_tail(65) and not _lone_tail(34) and not _lone_tail(1) and not _lone_tail(32)
     assert _lone_tail(193) and not _lone_tail(225) and _lone_tail(769)
     lm = embedded_engine.target
-    ids = torch.randint(0, 40000, (1, 200), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 40000, (1, 200), generator=torch.Generator().manual_seed(0)).to(lm.device)
     for L in (121, 130, 139, 166):
         lm.reset()
         lm.forward(ids[:, :L], logits_to_keep=1)
