@@ -21,6 +21,7 @@ across streams learns the streams it missed before it is next fed (`round.Transc
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,16 @@ class Drafter:
     def reset_session(self) -> None:
         """Forget what was learnt across generations (the copy drafters' record of their acceptance, and the n-gram
         cache's text)."""
+
+    session: tuple[str, ...] = ()  # the attributes that hold what `reset_session` forgets
+
+    def memory(self) -> dict:
+        """A copy of what this drafter learnt across generations, for `recall` (the engine's calibration streams
+        leave no trace in it)."""
+        return copy.deepcopy({name: getattr(self, name) for name in self.session})
+
+    def recall(self, memory: dict) -> None:
+        self.__dict__.update(memory)
 
 
 class NoDraft(Drafter):
@@ -249,6 +260,8 @@ class CopyDrafter(Drafter):
                 break
         self.index.extend(new)
 
+    session = ("odds", "_memo")
+
     def reset_session(self):
         self.odds = CopyOdds()
         self._memo = None
@@ -366,6 +379,7 @@ class NgramCache(CopyDrafter):
 
     name = "ngram_cache"
     remembers = True
+    session = ("odds", "_memo", "index", "_row0", "_stream0")
 
     def __init__(self, device="cpu", depth: int = 16, max_draft: int = MAX_GAMMA, prompt_context: int = 8):
         super().__init__(device, depth, max_draft)

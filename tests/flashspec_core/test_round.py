@@ -218,3 +218,15 @@ def test_the_ngram_cache_learns_the_streams_it_missed(target, head, reset, sampl
         runs.append(([(e.gamma, e.emitted) for e in result.events], ngram.index.stream, ngram.odds.buckets))
     assert runs[0] == runs[1]
     assert reset or max(gamma for gamma, _ in runs[0][0]) > 0  # it copied the missed stream's answer
+
+
+def test_calibration_streams_leave_no_trace_in_what_drafters_remember(target, head):
+    """The engine's calibration runs rounds of every drafter over scratch rows; afterwards the n-gram cache's text and
+    the copy drafters' records of their acceptance are what they were before it (here: empty)."""
+    engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
+                                captured="eager")
+    fresh = PromptLookup().odds.buckets
+    engine.calibrate()
+    assert engine.policy.calibrated and set(engine.policy.draft_costs) == set(engine.drafters)
+    ngram, lookup = engine.drafters["ngram_cache"], engine.drafters["prompt_lookup"]
+    assert ngram.index.stream == [] and ngram.odds.buckets == fresh and lookup.odds.buckets == fresh
