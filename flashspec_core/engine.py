@@ -256,13 +256,20 @@ class Engine:
         drafter's propose time per round and per token (`DeviceRound.draft_cost`; a drafter added later is measured
         when it first streams). Every decision that weighs costs (copy drafters' draft lengths, auto gamma, the
         bandit's rewards) uses these fixed numbers and the round's tokens, never the round's own timings, so a
-        stream is a function of its prompt, settings and seed. Each stream calls it; it measures what is missing."""
+        stream is a function of its prompt, settings and seed. Each stream calls it; it measures what is missing, and
+        its streams leave no trace in what drafters remember (`Drafter.memory`)."""
         rows = [[1 + i % (self.target.vocab_size - 1) for i in range(context)]]
+        if self.policy.calibrated and all(name in self.policy.draft_costs for name in self.drafters):
+            return
+        self.round.feed(rows, None)  # the streams a drafter that remembers missed are replayed into it first
+        memories = {name: d.memory() for name, d in self.drafters.items()}  # calibration streams leave no trace
         if not self.policy.calibrated:
             self.policy.set_costs(self.round.forward_costs(rows, (1, 2, 3, 4, 5, 6, 8, 9, 12, MAX_AUTO_GAMMA + 1), reps))
         for name, d in self.drafters.items():
             if name not in self.policy.draft_costs:
                 self.policy.draft_costs[name] = self.round.draft_cost(rows, d, reps)
+        for name, d in self.drafters.items():
+            d.recall(memories[name])
 
     def warm_up(self, max_context: int = 2048) -> float:
         """Measure the machine's costs (`calibrate`) and, where rounds replay as CUDA graphs, capture every graph a
@@ -315,30 +322,37 @@ class Engine:
         """One round of the stream: the policy's arm and K, then the device round. On captured rounds the next
         round's arm is chosen before this one lands (the bandit and gamma "auto" read one round late) and, when it
         drafts on the device (`DeviceRound.on_device`) and the stream's end cannot cut its K, launched at once:
-        the host's work on this round overlaps the device's on the next."""
+        the host's work on this round overlaps the device's on the next. A round that drafts from the host's rows
+        (the copy drafters) launches as soon as this one has landed, before its learning and its event."""
         if self.round.captured is None or not self.launch_ahead:
             return self._play_now(s), None
         turn = self._launch(s, ahead or Turn(self.policy.choose(s)))
         ahead = Turn(self.policy.choose(s))
         if self.round.on_device(self.drafters[ahead.arm]):
-            self._launch(s, ahead, after=turn.launched.K + 1)
+            self._launch(s, ahead, in_flight=turn.launched.K + 1)
         before = s.rows[0][:]
         out = self.round.land(s.rows, turn.launched)
-        return Played(turn.arm, turn.limit, before, s.rows[0][len(before):], out), ahead
+        emitted = s.rows[0][len(before):]
+        if not self.events.finish(emitted, s.produced, s.max_new_tokens)[0]:
+            self._launch(s, ahead, uncounted=len(emitted))
+        return Played(turn.arm, turn.limit, before, emitted, out), ahead
 
-    def _launch(self, s: StreamState, turn: "Turn", after: int = 0) -> "Turn":
-        """Launch `turn` (if it is not yet) with K cut to fit the stream; `after`: the most tokens the round in
-        flight may still emit. A round launched ahead waits (unlaunched) where the stream's end could cut its K."""
+    def _launch(self, s: StreamState, turn: "Turn", uncounted: int = 0, in_flight: int = 0) -> "Turn":
+        """Launch `turn` (if it is not yet) with K cut to fit the stream (`_limit`). A round launched ahead of one in
+        flight waits (unlaunched) where the stream's end could cut its K."""
         if turn.launched is None:
-            turn.limit = self._limit(s, after)
-            if after == 0 or turn.limit >= s.max_gamma:
+            turn.limit = self._limit(s, uncounted, in_flight)
+            if in_flight == 0 or turn.limit >= s.max_gamma:
                 k = self.policy.gamma(s, turn.arm, turn.limit)
                 turn.launched = self.round.launch(s.rows, self.drafters[turn.arm], k, s.sampling, s.generator)
         return turn
 
-    def _limit(self, s: StreamState, after: int = 0) -> int:
-        """The most tokens a round may draft: K + 1 fit the tokens left and the context window."""
-        return min(s.max_new_tokens - s.produced - after - 1, self.target.context_window - len(s.rows[0]) - after - 1)
+    def _limit(self, s: StreamState, uncounted: int = 0, in_flight: int = 0) -> int:
+        """The most tokens a round may draft: K + 1 fit the tokens left and the context window. `uncounted`: tokens
+        a landed round added to the rows that the stream has not counted yet; `in_flight`: the most that the round
+        in flight may still add."""
+        left = s.max_new_tokens - s.produced - uncounted - in_flight
+        return min(left, self.target.context_window - len(s.rows[0]) - in_flight) - 1
 
     def _play_now(self, s: StreamState) -> Played:
         """One round without captured rounds (eager, or a tree): chosen, run and landed at once."""
