@@ -66,6 +66,27 @@ def test_rounds_launched_ahead_give_the_tokens_of_rounds_one_at_a_time(tiny, sam
         assert engine.round.launched_ahead > 0
 
 
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "ngram_cache"])
+def test_a_copy_drafters_round_launches_before_the_last_rounds_event(tiny, drafter, monkeypatch):
+    """A copy drafter drafts from the landed rows, so its round cannot run ahead; it launches as soon as the round
+    before has landed, while the host learns from that round and builds its event. The same tokens and Ks as rounds
+    one at a time, and plain decoding's tokens."""
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
+                                captured="eager")
+    in_flight, event = [], engine.events.event
+    monkeypatch.setattr(engine.events, "event", lambda *a: in_flight.append(len(engine.round.unlanded)) or event(*a))
+    runs, counts = {}, {}
+    for launch_ahead in (True, False):
+        engine.launch_ahead, in_flight[:] = launch_ahead, []
+        engine.reset_session()  # the n-gram cache would remember the first run
+        runs[launch_ahead] = engine.generate(PROMPT * 3, 40, gamma=4, drafters=[drafter], seed=5)
+        counts[launch_ahead] = in_flight[:]
+    assert runs[True].token_ids == runs[False].token_ids == engine.generate(PROMPT * 3, 40, mode="plain").token_ids
+    assert [e.gamma for e in runs[True].events] == [e.gamma for e in runs[False].events]
+    assert counts[True] == [1] * (len(counts[True]) - 1) + [0] and set(counts[False]) == {0}
+
+
 def test_a_round_that_needs_the_hosts_rows_waits_for_the_round_in_flight(tiny):
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
