@@ -13,11 +13,14 @@ Numbers, not assertions.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import csv
 import hashlib
+import io
 import json
 import os
 import platform
+import pstats
 import subprocess
 import sys
 import time
@@ -170,6 +173,8 @@ def parse_args(argv=None):
                     help="captured rounds: launch the next on-device round before this one lands (Engine.launch_ahead)")
     ap.add_argument("--warm-up-context", type=int, default=2048,
                     help="the engine's warm-up captures every graph a stream of up to this many tokens can choose")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the host's Python over the rows (cProfile; benchmarks/results/profile_*.txt)")
     ap.add_argument("--hf-compiled", action="store_true",
                     help="add Hugging Face generate() with a static cache under torch.compile (CUDA; warm-up untimed)")
     args = ap.parse_args(argv)
@@ -239,13 +244,19 @@ def main(argv=None) -> int:
     run_engine(engine, "Hello!", 8, args.seed)  # warm up allocators and the cost model
     if float32:
         run_engine(float32, "Hello!", 8, args.seed)
-    rounds = []
+    rounds, profile = [], cProfile.Profile() if args.profile else None
     for _ in range(args.rounds):  # the peer, then every own row, again: a slow spell of a shared machine hits both
         peers = {"llama.cpp": run_llama_cpp(args.llama_python, engine, prompts, args.max_news, args.repeats)} \
             if "llama.cpp" in args.peers else {}
+        if profile:
+            profile.enable()
         rounds.append(run_rows(engine, float32, prompts, peers, args))
+        if profile:
+            profile.disable()
     rows = median_rows(rounds)
     env = write_results(engine, rows, peers, args, argv)
+    if profile:
+        write_profile(profile, env, args)
     print()
     print(table(rows, env))
     return 0
@@ -288,6 +299,15 @@ def write_results(engine: Engine, rows: list[dict], peers: dict, args, argv) -> 
         w.writeheader()
         w.writerows(rows)
     return env
+
+
+def write_profile(profile: cProfile.Profile, env: dict, args) -> None:
+    """The host's Python functions over the rows (`--profile`), by own time then by cumulative time, as text."""
+    out = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profile, stream=out).sort_stats(order).print_stats(40)
+    stem = f"profile_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}" + (f"_{args.tag}" if args.tag else "")
+    (RESULTS / f"{stem}.txt").write_text(f"python -m benchmarks.run {' '.join(sys.argv[1:])}\n{out.getvalue()}")
 
 
 def table(rows, env) -> str:
