@@ -223,12 +223,12 @@ class CopyDrafter(Drafter):
         self.index = SuffixIndex(depth)
         self.odds = CopyOdds()  # the chance that a copied token is accepted, learnt from every scored round
         self._row0, self._stream0 = 0, 0  # row position and stream position of the current document's first token
-        self._memo: tuple[int, list[int], int, bool] | None = None  # (stream length, draft, match length, split)
+        self._memo: dict[int, tuple[list[int], int, bool]] = {}  # stream length -> (draft, match length, split)
 
     # -- the drafter interface -------------------------------------------------------------------------
     def start(self, rows, sampling, generator, hidden=None):
         self._row0, self._stream0 = self._begin(rows[0])
-        self._memo = None
+        self._memo = {}
 
     def propose(self, rows, k):
         first = self.propose_ids(rows[0], k)
@@ -264,7 +264,7 @@ class CopyDrafter(Drafter):
 
     def reset_session(self):
         self.odds = CopyOdds()
-        self._memo = None
+        self._memo = {}
 
     # -- internals -----------------------------------------------------------------------------------
     def _begin(self, row) -> tuple[int, int]:
@@ -280,19 +280,22 @@ class CopyDrafter(Drafter):
         if pos >= len(stream):
             lo = max(self._stream0, len(stream) - self.depth)
             return len(stream) if row[self._row0 + lo - self._stream0:self._row0 + len(stream) - self._stream0] == stream[lo:] else None
-        if self._memo is not None and self._memo[0] == pos:  # the pre-round context of the engine's counterfactual
+        if pos in self._memo:  # the pre-round context of the engine's counterfactual
             lo = max(self._stream0, pos - self.depth)
             return pos if row[self._row0 + lo - self._stream0:] == stream[lo:pos] else None
         return None
 
     def _draft_at(self, pos: int) -> tuple[list[int], int, bool]:
         """(draft, match length, split): the longest draft the index supports at stream length `pos` (the current
-        end, or the memo's)."""
-        if self._memo is None or self._memo[0] != pos:
+        end, or one of the last two the memo keeps: the next round may draft before the engine scores this one's
+        counterfactuals)."""
+        if pos not in self._memo:
             length, end, node = self.index.match()
             tokens = self.index.continuation(end, self.max_draft) if length else []
-            self._memo = (pos, tokens, length, len(self.index.kids[node]) > 1)
-        return self._memo[1:]
+            last = max(self._memo, default=None)
+            self._memo = {} if last is None else {last: self._memo[last]}
+            self._memo[pos] = (tokens, length, len(self.index.kids[node]) > 1)
+        return self._memo[pos]
 
     def _draft_off_path(self, row, k) -> list[int]:
         length, end, node, index = self._find(row)

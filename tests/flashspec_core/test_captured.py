@@ -87,6 +87,21 @@ def test_a_copy_drafters_round_launches_before_the_last_rounds_event(tiny, draft
     assert counts[True] == [1] * (len(counts[True]) - 1) + [0] and set(counts[False]) == {0}
 
 
+def test_copy_drafters_score_counterfactuals_from_their_memo_when_the_next_round_drafted_first(tiny, monkeypatch):
+    """With a copy drafter's round launched before the last round's learning, the bandit's counterfactual call on the
+    pre-round context still finds that context's draft in the drafter's memo (it keeps the last two): no copy
+    drafter re-indexes a row off its path in a stream."""
+    from flashspec_core.drafters import CopyDrafter
+
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
+                                captured="eager")
+    off_path, inner = [], CopyDrafter._draft_off_path
+    monkeypatch.setattr(CopyDrafter, "_draft_off_path", lambda self, *a: off_path.append(self.name) or inner(self, *a))
+    result = engine.generate(PROMPT * 3, 60, bandit="thompson", seed=1)
+    assert len({e.drafter for e in result.events}) >= 3 and off_path == []
+
+
 def test_a_round_that_needs_the_hosts_rows_waits_for_the_round_in_flight(tiny):
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
