@@ -323,7 +323,8 @@ class Engine:
         round's arm is chosen before this one lands (the bandit and gamma "auto" read one round late) and, when it
         drafts on the device (`DeviceRound.on_device`) and the stream's end cannot cut its K, launched at once:
         the host's work on this round overlaps the device's on the next. A round that drafts from the host's rows
-        (the copy drafters) launches as soon as this one has landed, before its learning and its event."""
+        (the copy drafters) launches as soon as this one has landed and its drafter has learnt it, before the other
+        drafters learn it, the policy learns from it and its event is built."""
         if self.round.captured is None or not self.launch_ahead:
             return self._play_now(s), None
         turn = self._launch(s, ahead or Turn(self.policy.choose(s)))
@@ -331,10 +332,11 @@ class Engine:
         if self.round.on_device(self.drafters[ahead.arm]):
             self._launch(s, ahead, in_flight=turn.launched.K + 1)
         before = s.rows[0][:]
-        out = self.round.land(s.rows, turn.launched)
+        out = self.round.land(s.rows, turn.launched, first=self.drafters[ahead.arm])
         emitted = s.rows[0][len(before):]
         if not self.events.finish(emitted, s.produced, s.max_new_tokens)[0]:
             self._launch(s, ahead, uncounted=len(emitted))
+        self.round.settle()
         return Played(turn.arm, turn.limit, before, emitted, out), ahead
 
     def _launch(self, s: StreamState, turn: "Turn", uncounted: int = 0, in_flight: int = 0) -> "Turn":

@@ -134,6 +134,7 @@ class DeviceRound:
         self.fed: list[Drafter] = list(drafters.values())  # the drafters the stream keeps current (`start`)
         self.transcript: Transcript | None = None  # the stream's, while a drafter that remembers is not fed
         self.backlog: dict[str, list[Transcript]] = {}  # per such drafter: the streams it missed, oldest first
+        self.unsettled: tuple[list[list[int]], int, list[Drafter]] = ([], 0, [])  # `land` left them for `settle`
 
     # -- the two calls -------------------------------------------------------------------------------
     def start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
@@ -145,6 +146,7 @@ class DeviceRound:
         captured=False: this stream runs eager rounds (tree rounds do)."""
         t0 = time.perf_counter()
         self.unlanded.clear()  # a round the last stream left in flight is dropped (its device work is queued first)
+        self.unsettled = ([], 0, [])
         self.launched_ahead = 0
         self.feed(rows, arms)
         readers = [self.drafters[a] for a in (arms or self.drafters)]
@@ -238,9 +240,10 @@ class DeviceRound:
         timer.launched()
         return Launched(K, pack(proposal, shown, result, guesses), guessers, timer)
 
-    def land(self, rows: list[list[int]], launched: Launched) -> RoundOutput:
+    def land(self, rows: list[list[int]], launched: Launched, first: Drafter | None = None) -> RoundOutput:
         """Read the round's host record (the one sync), then accept on the rows, roll back and update. Rounds land
-        in the order they were launched."""
+        in the order they were launched. `first` (captured rounds): only that drafter learns the round now (it
+        drafts next); the other model-free drafters learn it at `settle`, once the next round is launched."""
         if not self.unlanded or launched is not self.unlanded[0]:
             raise ValueError("rounds land in the order they were launched")
         if launched.ready is not None:
@@ -253,7 +256,7 @@ class DeviceRound:
         self.target.crop(L + m)  # roll back: the cache keeps the context and the accepted drafts
         self.target.length += sum(r.K + 1 for r in self.unlanded)  # a round in flight: what it may append
         if launched.captured:
-            self._update_captured(rows, L + m)
+            self._update_captured(rows, L + m, first)
         else:
             self._update(rows, L + m, None if self.target.aux is None else self.target.aux[:, :m + 1])
         draft_s, verify_s, device_s = launched.timer.done(since=self._landed_at)
@@ -300,17 +303,29 @@ class DeviceRound:
         ready.record()
         return pair[0], ready
 
-    def _update_captured(self, rows: list[list[int]], kept: int) -> None:
+    def _update_captured(self, rows: list[list[int]], kept: int, first: Drafter | None = None) -> None:
         """After a captured round: the head has observed it on the device (its cache now holds `kept` slots);
-        every other fed drafter learns it as in `_update`."""
+        every other fed drafter learns it as in `_update`, now if it is `first` (or none is named), else at
+        `settle`."""
         self._record(rows)
+        later = []
         for d in self.fed:
             if d is self.captured.head:
                 d.cache.length = kept
                 f = d.fixed
                 d.h, d.logits, d.guess = f.h, f.logits, f.guess
-            else:
+            elif first is None or d is first:
                 d.observe(rows, kept)
+            else:
+                later.append(d)
+        self.unsettled = (rows, kept, later)
+
+    def settle(self) -> None:
+        """The drafters that `land` left for later learn the landed round (before anything reads them again)."""
+        rows, kept, later = self.unsettled
+        self.unsettled = ([], 0, [])
+        for d in later:
+            d.observe(rows, kept)
 
     def _record(self, rows: list[list[int]]) -> None:
         if self.transcript is not None:

@@ -102,6 +102,25 @@ def test_copy_drafters_score_counterfactuals_from_their_memo_when_the_next_round
     assert len({e.drafter for e in result.events}) >= 3 and off_path == []
 
 
+def test_copy_drafters_that_do_not_draft_next_learn_a_round_once_the_next_is_launched(tiny, monkeypatch):
+    """Between two copy drafters, the one that drafts the next round learns the landed round first; the other
+    learns it once that round is in flight. Greedy, plain decoding's tokens; no drafter leaves its indexed path."""
+    from flashspec_core.drafters import CopyDrafter
+
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
+                                captured="eager")
+    seen, observe, off_path = [], CopyDrafter.observe, CopyDrafter._draft_off_path
+    monkeypatch.setattr(CopyDrafter, "observe", lambda self, *a, **k: seen.append(len(engine.round.unlanded))
+                        or observe(self, *a, **k))
+    monkeypatch.setattr(CopyDrafter, "_draft_off_path", lambda self, *a: pytest.fail("drafted off its path"))
+    engine.calibrate()
+    seen.clear()
+    result = engine.generate(PROMPT * 3, 60, drafters=["prompt_lookup", "ngram_cache"], seed=1)
+    assert result.token_ids == engine.generate(PROMPT * 3, 60, mode="plain").token_ids
+    assert seen.count(1) >= len(result.events) - 1 and seen.count(0) >= len(result.events) - 1
+
+
 def test_a_round_that_needs_the_hosts_rows_waits_for_the_round_in_flight(tiny):
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
