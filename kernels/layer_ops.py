@@ -58,6 +58,24 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
+def norm_linear_torch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """rms_norm(x) @ weight.T: x [..., K], weight [N, K] -> [..., N] (the q/k/v product, the LM head)."""
+    return F.linear(rms_norm_torch(x, norm_weight, eps), weight)
+
+
+def norm_gate_up_silu_torch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for [g | u] = rms_norm(x) @ weight.T: weight [2I, K] (the gate rows, then the up rows) -> [..., I].
+    g and u are rounded to x's dtype (the product's output) before silu_mul."""
+    return silu_mul_torch(norm_linear_torch(x, norm_weight, eps, weight))
+
+
+def add_linear_torch_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x += a @ weight.T in place: x [M, N], a [M, K], weight [N, K] (cuBLAS adds x to the float32 sums and rounds
+    once: beta = 1)."""
+    return x.addmm_(a, weight.t())
+
+
 def attention_torch(q, k, v, mask, scaling: float, shape) -> torch.Tensor:
     """q [B, KV, R*T, D] (row r * T + t) over k, v [B, KV, S, D] with the additive mask [R*T, S] -> o [B*T, H*D]
     (token-major, head kv * R + r: the o projection's input). HF's eager attention (scores * scaling + mask,
@@ -87,6 +105,18 @@ if triton is not None:
             return x.to(dt).to(tl.float32)
 
     @triton.jit
+    def _silu_mul(g, u, dt: tl.constexpr):
+        """silu(g) * u for float32 g and u as torch's two ops in dt: silu rounded to dt, then the product rounded."""
+        return _round(_round(g / (1.0 + tl.exp(-g)), dt) * u, dt)
+
+    @triton.jit
+    def _normed(x, weight, K, eps, dt: tl.constexpr):
+        """HF's RMSNorm of a float32 row x (K long, zeros past it): normalised in float32, rounded to dt, scaled by
+        the float32 weight, rounded again (kept in float32)."""
+        scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+        return _round(weight * _round(x * scale, dt), dt)
+
+    @triton.jit
     def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, q_ptr, T, capacity,
                            B: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr):
         """One program per (token, head) of qkv: rotate (q, k), then store into q's layout or the cache."""
@@ -114,10 +144,7 @@ if triton is not None:
         keep = i < I
         g = tl.load(gu_ptr + row * 2 * I + i, mask=keep, other=0.0)
         u = tl.load(gu_ptr + row * 2 * I + I + i, mask=keep, other=0.0).to(tl.float32)
-        dt = g.dtype
-        gf = g.to(tl.float32)
-        silu = _round(gf / (1.0 + tl.exp(-gf)), dt)
-        tl.store(out_ptr + row * I + i, _round(silu * u, dt).to(dt), mask=keep)
+        tl.store(out_ptr + row * I + i, _silu_mul(g.to(tl.float32), u, g.dtype).to(g.dtype), mask=keep)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
@@ -125,12 +152,8 @@ if triton is not None:
         n = tl.arange(0, BLOCK)
         keep = n < N
         x = tl.load(x_ptr + row * N + n, mask=keep, other=0.0)
-        dt = x.dtype
-        xf = x.to(tl.float32)
-        scale = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        normed = _round(xf * scale, dt)
         w = tl.load(w_ptr + n, mask=keep, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * N + n, _round(w * normed, dt).to(dt), mask=keep)
+        tl.store(out_ptr + row * N + n, _normed(x.to(tl.float32), w, N, eps, x.dtype).to(x.dtype), mask=keep)
 
     @triton.jit
     def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, T, S, scaling, k_batch, k_head, k_slot,
