@@ -275,6 +275,18 @@ def test_sliding_window_and_dynamic_rope_are_refused():
         StaticCausalLM(build("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0))
 
 
+def test_fused_layer_ops_need_fused_weights_without_biases_and_the_environment_selects_them(monkeypatch):
+    with pytest.raises(ValueError, match="biases"):
+        StaticCausalLM(build("qwen2"), max_len=32, layer_ops="fused")  # q/k/v biases
+    with pytest.raises(ValueError, match="fuse=False"):
+        StaticCausalLM(build(), max_len=32, layer_ops="fused", fuse=False)
+    monkeypatch.setenv("FLASHSPEC_LAYER_OPS", "fused")  # "auto" follows it (A/B runs)
+    lm = StaticCausalLM(build(), max_len=32)
+    assert lm.layer_ops == "fused" and lm.path.endswith("with fused GEMV products")
+    monkeypatch.setenv("FLASHSPEC_LAYER_OPS", "triton")
+    assert StaticCausalLM(build(), max_len=32).layer_ops == "triton"
+
+
 def test_fast_or_eager_modes():
     model = build("llama")
     assert is_supported(model) == (True, "")
