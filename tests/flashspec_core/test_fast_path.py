@@ -385,6 +385,25 @@ def test_graphs_match_eager_static_and_hf_bf16(shape):
 
 
 @cuda
+def test_fused_layer_ops_give_a_verify_the_bits_of_one_token_steps_through_graphs_in_bf16():
+    """layer_ops="fused" on the embedded model's shape: an 8-token verify (its own graph) gives the bits of 8
+    one-token steps (theirs), and the logits stay within bf16 rounding of the "triton" ops' (cuBLAS's products)."""
+    model = build("llama", seed=9, std=0.05, device="cuda", dtype=torch.bfloat16, shape=SMOLLM2)
+    g = torch.Generator().manual_seed(12)
+    prompt, new = (torch.randint(0, model.config.vocab_size, (1, n), generator=g).cuda() for n in (40, 8))
+    logits = {}
+    for ops in ("triton", "fused"):
+        lm = StaticCausalLM(model, max_len=256, layer_ops=ops)
+        lm.forward(prompt)
+        logits[ops] = torch.cat([lm.forward(new[:, i:i + 1]) for i in range(8)], dim=1)
+        lm.crop(40)
+        if ops == "fused":
+            assert torch.equal(lm.forward(new), logits[ops])
+    scale = logits["triton"].abs().amax()
+    assert (logits["fused"] - logits["triton"]).abs().amax() <= 0.05 * scale
+
+
+@cuda
 def test_fused_graphs_match_unfused_in_bf16():
     """Fusing q/k/v and gate/up changes only GEMM shapes: logits agree with the unfused path to bf16 rounding."""
     model = build("qwen2", seed=18, std=0.05, device="cuda", dtype=torch.bfloat16, shape=SMOLLM2)
