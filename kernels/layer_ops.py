@@ -357,8 +357,9 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
 
 def norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
                       tiles: GemvTiles = GemvTiles()) -> torch.Tensor:
-    """`norm_gate_up_silu_torch` in one kernel: a program computes gate rows j and up rows I + j, rounds both to x's
-    dtype (as the product's output is), then silu(g) * u as `silu_mul` (no bias)."""
+    """`norm_gate_up_silu_torch` in one kernel (no bias): a program computes gate rows j and up rows I + j from the
+    same normalised row. It rounds where the "triton" loop does: g and u, float32 sums, each rounded to x's dtype
+    (cuBLAS's bfloat16 output), then silu(g) rounded and silu(g) * u rounded (`silu_mul`'s two roundings)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
     _gemv(rows, norm_weight.contiguous(), eps, weight, out, tiles, silu=True)
