@@ -1,14 +1,20 @@
 """What one forward of the embedded model's shape costs on a GPU, and where: the captured step as it is, its kernels
 by name, and the same step compiled by `torch.compile` (Inductor's fused kernels, replayed in our own CUDA graph).
 
-    python -m benchmarks.gpu_step [--tokens 1 7] [--context 256] [--no-compile | --compile-tokens 1] [--layer-ops torch triton]
+    python -m benchmarks.gpu_step [--tokens 1 7] [--context 256] [--no-compile | --compile-tokens 1]
+                                  [--layer-ops torch triton fused] [--products]
 
 Random weights in the SmolLM2-135M shape (30 layers, hidden 576, 9 query and 3 key/value heads, vocabulary 49152),
 bfloat16, `StaticCausalLM` (static cache, fused q/k/v and gate/up). For each token count T: the replay time of the
 captured forward over a `--context`-slot bucket (median of 200 replays, CUDA events), the kernels one eager
 forward launches (count, and the slowest names by total time), then the compiled forward captured the same way.
-`--layer-ops triton` measures the step with `kernels.layer_ops` (one row per choice, the same weights).
-Writes JSON under benchmarks/results/ and prints a table. Numbers, not assertions. CUDA only.
+`--layer-ops triton` measures the step with `kernels.layer_ops` (one row per choice, the same weights); `fused`
+with its GEMV products. `--products` then times each projection of the layer (and the LM head) alone at M = 1 and
+8 rows: cuBLAS's product, the "triton" loop's ops for the same job (RMSNorm kernel + cuBLAS, + silu_mul), and the
+fused GEMV kernel under its default tiles and a few others (each a CUDA graph of 100 calls, median replay / 100),
+with each fused row's largest difference from the "triton" ops and whether its M rows equal the rows alone bit for
+bit. Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
+Numbers, not assertions. CUDA only.
 """
 from __future__ import annotations
 
@@ -19,17 +25,28 @@ import time
 from statistics import median
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.run import RESULTS, environment
 from flashspec_core.fast_path import StaticCausalLM
+from kernels import layer_ops
+
+HIDDEN, INTERMEDIATE, VOCAB, HEADS, KV_HEADS, EPS = 576, 1536, 49152, 9, 3, 1e-5  # the embedded model's shape
+QKV = (HEADS + 2 * KV_HEADS) * (HIDDEN // HEADS)
+PRODUCTS = {  # name: (K, weight rows N, kind)
+    "qkv": (HIDDEN, QKV, "norm_linear"), "o": (HIDDEN, HIDDEN, "add_linear_"),
+    "gate_up": (HIDDEN, 2 * INTERMEDIATE, "norm_gate_up_silu"), "down": (INTERMEDIATE, HIDDEN, "add_linear_"),
+    "lm_head": (HIDDEN, VOCAB, "norm_linear"),
+}
+PRODUCT_ROWS = (1, 8)
 
 
 def build(max_len: int = 1024, layer_ops: str = "torch") -> StaticCausalLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                      rope_theta=100000.0, tie_word_embeddings=True)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=30,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=8192,
+                      rms_norm_eps=EPS, rope_theta=100000.0, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
     return StaticCausalLM(model, max_len=max_len, layer_ops=layer_ops)
@@ -46,6 +63,14 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 200) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return median(times[10:])
+
+
+def per_call_us(fn, calls: int = 100) -> float:
+    """Median us of one call of fn, from a CUDA graph of `calls` calls."""
+    def many():
+        for _ in range(calls):
+            fn()
+    return replay_ms(capture(many), reps=50) * 1e3 / calls
 
 
 def capture(fn, *args) -> torch.cuda.CUDAGraph:
@@ -108,37 +133,151 @@ def measure(lm: StaticCausalLM, T: int, S: int, compiled: bool) -> dict:
     return row
 
 
-def write(rows: list[dict], argv) -> None:
+def product_inputs(K: int, N: int, kind: str, M: int) -> dict:
+    """Random bf16 inputs of one product: x [M, K] (the residual [M, N] for add_linear_), its norm's weight,
+    the weight [N, K] and a [M, K] (add_linear_'s input)."""
+    g = torch.Generator(device="cuda").manual_seed(M * 7919 + N)
+    new = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=g, device="cuda")).to(torch.bfloat16)
+    rows = N if kind == "add_linear_" else K
+    return {"x": new(M, rows), "norm": 1 + new(K, scale=0.1), "weight": new(N, K, scale=0.02), "a": new(M, K)}
+
+
+def product_call(kind: str, op: str, t: dict, tiles=None):
+    """fn() for one product: op "cublas" (the product alone), "triton" (the "triton" loop's ops for the same job)
+    or "fused" (the GEMV kernel under `tiles`). add_linear_ adds into t["x"] in place."""
+    x, norm, w, a = t["x"], t["norm"], t["weight"], t["a"]
+    if kind == "add_linear_":
+        return (lambda: layer_ops.add_linear_(x, a, w, tiles=tiles)) if op == "fused" else (lambda: x.addmm_(a, w.t()))
+    if op == "cublas":
+        return lambda: F.linear(x, w)
+    if op == "fused":
+        fused = layer_ops.norm_linear if kind == "norm_linear" else layer_ops.norm_gate_up_silu
+        return lambda: fused(x, norm, EPS, w, tiles=tiles)
+    if kind == "norm_linear":
+        return lambda: F.linear(layer_ops.rms_norm(x, norm, EPS), w)
+    return lambda: layer_ops.silu_mul(F.linear(layer_ops.rms_norm(x, norm, EPS), w))
+
+
+def tile_choices(M: int):
+    """The fused kernel's default tiles, then a few others (duplicates of the default are dropped by the caller)."""
+    yield layer_ops.GemvTiles()
+    for block_n in (4, 8, 16):
+        yield layer_ops.GemvTiles(block_n=block_n)
+    for warps in (2, 4, 8):
+        yield layer_ops.GemvTiles(warps=warps)
+    for rows in ((1, 2, 8) if M > 1 else ()):
+        yield layer_ops.GemvTiles(rows=rows)
+
+
+def resolve(name: str, tiles):
+    """The tiles the fused kernel runs for product `name` (defaults filled in for the H200)."""
+    K, N, kind = PRODUCTS[name]
+    paired = kind == "norm_gate_up_silu"
+    return tiles.resolved(N // 2 if paired else N, K, paired, torch.device("cuda"))
+
+
+def fused_checks(kind: str, t: dict, tiles, reference: torch.Tensor) -> dict:
+    """The fused output's largest difference from the "triton" ops' and whether its rows equal the rows alone."""
+    def run(rows: slice) -> torch.Tensor:
+        part = {k: v[rows].clone() if k in ("x", "a") else v for k, v in t.items()}
+        return product_call(kind, "fused", part, tiles)()
+    every = run(slice(None))
+    alone = torch.cat([run(slice(m, m + 1)) for m in range(every.shape[0])])
+    return {"max_diff_vs_triton": float((every.float() - reference.float()).abs().max()),
+            "rows_equal_alone": bool(torch.equal(every, alone))}
+
+
+def measure_product(name: str, M: int, op: str, tiles=None, reference=None) -> dict:
+    """One row of the products table; an error becomes the row's "error"."""
+    K, N, kind = PRODUCTS[name]
+    row = {"product": name, "M": M, "K": K, "N": N, "op": op}
+    try:
+        t = product_inputs(K, N, kind, M)
+        if tiles is not None:
+            row["tiles"] = vars(resolve(name, tiles))
+            row.update(fused_checks(kind, t, tiles, reference))
+        row["us"] = per_call_us(product_call(kind, op, t, tiles))
+    except Exception as e:  # noqa: BLE001 - a failed kernel is a result; the other rows still run
+        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
+    return row
+
+
+@torch.inference_mode()
+def products(write_rows) -> list[dict]:
+    """Every product at each M of PRODUCT_ROWS: cuBLAS, the "triton" ops, the fused kernel under each tile choice."""
+    rows = []
+    for name, (K, N, kind) in PRODUCTS.items():
+        for M in PRODUCT_ROWS:
+            for op in ("cublas", "triton"):
+                rows.append(measure_product(name, M, op))
+                write_rows(rows)
+            t = product_inputs(K, N, kind, M)
+            reference = product_call(kind, "triton", {**t, "x": t["x"].clone()})()
+            seen = set()
+            for tiles in tile_choices(M):
+                if resolve(name, tiles) not in seen:
+                    seen.add(resolve(name, tiles))
+                    rows.append(measure_product(name, M, "fused", tiles, reference))
+                    write_rows(rows)
+    return rows
+
+
+def print_products(rows: list[dict]) -> None:
+    print("\n| product | M | op | block_n | rows | warps | us | x cuBLAS | max diff vs triton | rows = alone |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    base = {(r["product"], r["M"]): r.get("us") for r in rows if r["op"] == "cublas"}
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['product']} | {r['M']} | {r['op']} | | | | failed: {r['error']} | | | |")
+            continue
+        t, cublas = r.get("tiles", {}), base.get((r["product"], r["M"]))
+        ratio = f"{r['us'] / cublas:.2f}" if cublas else "-"
+        print(f"| {r['product']} | {r['M']} | {r['op']} | {t.get('block_n', '')} | {t.get('rows', '')} | "
+              f"{t.get('warps', '')} | {r['us']:.2f} | {ratio} | {r.get('max_diff_vs_triton', '')} | "
+              f"{r.get('rows_equal_alone', '')} |")
+
+
+def write(rows: list[dict], argv, product_rows: list[dict] | None = None) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"gpu_step_{torch.cuda.get_device_name().replace(' ', '-').lower()}.json"
     command = "python -m benchmarks.gpu_step " + " ".join(sys.argv[1:] if argv is None else argv)
-    out.write_text(json.dumps({"command": command, "env": environment(), "rows": rows}, indent=2))
+    data = {"command": command, "env": environment(), "rows": rows}
+    if product_rows is not None:
+        data["products"] = product_rows
+    out.write_text(json.dumps(data, indent=2))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 7])
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--compile-tokens", type=int, nargs="*", default=[1], help="token counts also compiled")
-    ap.add_argument("--layer-ops", nargs="*", default=["torch"], choices=["torch", "triton"])
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks.gpu_step needs CUDA")
+def step_rows(args, argv) -> list[dict]:
+    """The step's rows, one per (layer ops, token count); a failure becomes the row's "error"."""
     rows, first = [], {}
     for ops in args.layer_ops:
-        lm = build(layer_ops=ops)
+        try:
+            lm = build(layer_ops=ops)
+        except Exception as e:  # noqa: BLE001 - the other choices still run
+            rows.append({"layer_ops": ops, "error": f"{type(e).__name__}: {e}"[:300]})
+            continue
         for T in args.tokens:
-            row = {"layer_ops": ops, **measure(lm, T, args.context, not args.no_compile and T in args.compile_tokens)}
-            logits = row.pop("logits")
-            row["max_logit_diff_vs_first"] = float((logits - first.setdefault(T, logits)).abs().max())
+            compiled = not args.no_compile and T in args.compile_tokens
+            try:
+                row = {"layer_ops": ops, **measure(lm, T, args.context, compiled)}
+                logits = row.pop("logits")
+                row["max_logit_diff_vs_first"] = float((logits - first.setdefault(T, logits)).abs().max())
+            except Exception as e:  # noqa: BLE001
+                row = {"layer_ops": ops, "tokens": T, "error": f"{type(e).__name__}: {e}"[:300]}
             rows.append(row)
             write(rows, argv)  # after each row: a later failure keeps what was measured
         del lm
+    return rows
+
+
+def print_steps(rows: list[dict]) -> None:
     print("| layer ops | tokens | graph ms | kernels | logit diff vs first | compiled graph ms | compiled kernels "
           "| compile s | compiled logit diff |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['layer_ops']} | {r.get('tokens', '-')} | failed: {r['error']} | | | | | | |")
+            continue
         c = r.get("compiled_kernels", {})
         print(f"| {r['layer_ops']} | {r['tokens']} | {r['graph_ms']:.3f} | {r['eager_kernels']['count']} | "
               f"{r['max_logit_diff_vs_first']:.3g} | {r.get('compiled_graph_ms', 0):.3f} | {c.get('count', '-')} | "
@@ -150,6 +289,26 @@ def main(argv=None) -> int:
             if kind in r:
                 top = "; ".join(f"{k['name']} x{k['calls']} {k['ms']:.3f} ms" for k in r[kind]["top"])
                 print(f"\n{r['layer_ops']} T={r['tokens']} {kind}: {top}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 7])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--compile-tokens", type=int, nargs="*", default=[1], help="token counts also compiled")
+    ap.add_argument("--layer-ops", nargs="*", default=["torch"], choices=["torch", "triton", "fused"],
+                    help="the step under each choice (none: no step rows)")
+    ap.add_argument("--products", action="store_true",
+                    help=f"also time each projection alone at M = {', '.join(map(str, PRODUCT_ROWS))}: cuBLAS, the "
+                         "triton ops, the fused GEMV under several tiles")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.gpu_step needs CUDA")
+    rows = step_rows(args, argv)
+    print_steps(rows)
+    if args.products:
+        print_products(products(lambda product_rows: write(rows, argv, product_rows)))
     return 0
 
 

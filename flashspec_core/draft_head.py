@@ -313,11 +313,11 @@ class DraftHead(nn.Module):
 
     def _kernels(self, x: torch.Tensor) -> bool:
         """Whether the captured step and the logits' norm run `kernels.layer_ops`' Triton kernels ("auto": as the
-        target chooses, `layer_ops.auto`)."""
+        target chooses, `layer_ops.auto`; "fused" runs the same small kernels here, the products stay torch's)."""
         cfg = self.cfg
         ops = self.layer_ops if self.layer_ops != "auto" else \
             layer_ops.auto(x.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        return ops == "triton"
+        return ops in ("triton", "fused")
 
     def _step_at_kernels(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
                          S: int) -> torch.Tensor:

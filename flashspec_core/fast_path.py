@@ -196,7 +196,8 @@ class StaticCausalLM:
             self.path = "static (GGUF Q4_1 weights, bfloat16 activations)"
         self.fuse = bool(fuse)
         self.loop = self._pick_loop(model, loop)
-        self.ops = self._pick_ops(layer_ops)
+        self.layer_ops = self._pick_ops(layer_ops)  # "torch", "triton" or "fused"
+        self.ops = LAYER_OPS[self.layer_ops]
         if self.gguf and attention == "auto" and self.loop == "native":
             self.attention = "ordered"  # each query's keys in slot order: tree verifies equal one-token steps
         if self.loop == "native":
@@ -271,23 +272,35 @@ class StaticCausalLM:
                              "use loop='script'")
         return loop
 
-    def _pick_ops(self, layer_ops: str):
-        """The python loop's small ops (rotary and the cache write, attention, SiLU * up, RMSNorm): the torch ops,
-        or `kernels.layer_ops`' Triton kernels (CUDA, not the GGUF path). "auto": the kernels on CUDA where they
-        take the model's heads, else torch; the environment's FLASHSPEC_LAYER_OPS=torch|triton overrides it (A/B)."""
+    def _pick_ops(self, layer_ops: str) -> str:
+        """The name of the python loop's ops: "torch"; "triton", `kernels.layer_ops`' Triton kernels for the small
+        ops (rotary and the cache write, attention, SiLU * up, RMSNorm) beside cuBLAS's products; "fused", those
+        kernels with the products as GEMV kernels that take in the norms, SiLU * up and the residual adds
+        (`_fused_layers`; fused q/k/v and gate/up weights, no biases). Kernels: CUDA, not the GGUF path. "auto":
+        the Triton kernels on CUDA where they take the model's heads, else torch; the environment's
+        FLASHSPEC_LAYER_OPS=torch|triton|fused overrides it (A/B)."""
         config = self.config
         if layer_ops == "auto":  # on CUDA, so never the GGUF path (CPU only)
             layer_ops = layer_ops_kernels.auto(self.device, config.num_attention_heads, config.num_key_value_heads,
                                                head_size(config))
         if layer_ops not in LAYER_OPS:
             raise ValueError(f"unknown layer_ops {layer_ops!r}; expected one of {list(LAYER_OPS)}")
-        if layer_ops == "triton":
+        if layer_ops in ("triton", "fused"):
             on = self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
             if not (on and layer_ops_kernels.triton is not None and not self.gguf):
-                raise ValueError("layer_ops='triton' needs CUDA (or TRITON_INTERPRET=1), triton and a model that is "
-                                 "not on the GGUF path")
+                raise ValueError(f"layer_ops={layer_ops!r} needs CUDA (or TRITON_INTERPRET=1), triton and a model "
+                                 "that is not on the GGUF path")
             self.path += ", Triton layer ops"
-        return LAYER_OPS[layer_ops]
+        if layer_ops == "fused":
+            biased = [name for name, m in self.model.named_modules() if getattr(m, "bias", None) is not None
+                      and isinstance(m, torch.nn.Linear)]
+            if biased or not self.fuse:
+                raise ValueError(f"layer_ops='fused' runs its products on the fused q/k/v and gate/up weights "
+                                 f"without biases; this model has {'fuse=False' if not self.fuse else 'biases'} "
+                                 f"({', '.join(biased[:3])}{', ...' if len(biased) > 3 else ''}): use "
+                                 f"layer_ops='triton'")
+            self.path += " with fused GEMV products"
+        return layer_ops
 
     def _make_loop(self):
         """f(x, cos, sin, pos, mask, S, shape, aux_layers) -> (x, aux list) running every layer (see `_layers`), or
@@ -506,7 +519,8 @@ class StaticCausalLM:
         attention 4 (mask copy + scaled GEMM, softmax, GEMM), o GEMM into the residual 1, norm 2, gate/up GEMM 1,
         SiLU and multiply 2, down GEMM into the residual 1. At T > 1 two reshapes of q and o add a copy each. With
         `layer_ops="triton"` each norm, the rotary with the cache write and q's layout, and SiLU * up are one kernel
-        and the attention two (chunks, merge): 10 a layer at any T.
+        and the attention two (chunks, merge): 10 a layer at any T. `layer_ops="fused"` folds the norms, SiLU * up
+        and the residual adds into GEMV products (`_fused_layers`): 7 a layer, and the final norm into the LM head.
         """
         # GQA without repeating K/V: the R query heads of a kv head become R * T query rows (row r * T + t)
         visible = self.slots[:S][None, :] <= pos.repeat(self.n_heads // self.n_kv)[:, None]  # [R*T, S]
@@ -545,6 +559,8 @@ class StaticCausalLM:
             aux = torch.cat(aux, dim=-1).view(B, T, -1) if aux else None
             return linear(x, self.lm_head, self.lm_head_bias), aux
         math = self.attention == "math" or (self.attention == "auto" and T <= self.max_graph_tokens)
+        if self.layer_ops == "fused":
+            return self._fused_layers(x, cos, sin, pos, mask, S, keep, math, (B, T, H, KV, D))
         columns = self.columns
         aux = {}  # layer -> the residual stream entering it
         for i, layer in enumerate(self.layers):
@@ -559,8 +575,30 @@ class StaticCausalLM:
             h = self._rms_norm(x, layer.post_norm)
             _add_linear_(x, self.ops.silu_mul(layer.gate_up(h, columns)), layer.down, layer.down_bias, columns)
         x = self._rms_norm(x.view(B, T, -1)[:, T - keep:], self.norm)
-        aux = torch.cat([aux[i] for i in self.aux_layers], dim=-1).view(B, T, -1) if aux else None  # in aux order
-        return linear(x, self.lm_head, self.lm_head_bias, columns), aux
+        return linear(x, self.lm_head, self.lm_head_bias, columns), self._stacked(aux, B, T)
+
+    def _fused_layers(self, x, cos, sin, pos, mask, S: int, keep: int, math: bool, shape):
+        """`_layers`' loop for layer_ops="fused" over the residual stream x [B*T, hidden], 7 kernels a layer: the
+        input norm inside the q/k/v product, rotary and cache write, attention (2), the o product adding into x,
+        the post norm inside the gate/up product with SiLU * up, the down product adding into x; the final norm runs
+        inside the LM head's product. Every kernel computes a token's row on its own (the products' tiles follow
+        the weights' shapes, never T), so a verify of T tokens gives the bits of T one-token steps."""
+        B, T = shape[:2]
+        ops, aux = self.ops, {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux[i] = x.clone()
+            q = ops.rope_and_cache(ops.norm_linear(x, layer.input_norm, self.eps, layer.qkv.weight), cos, sin, pos,
+                                   self.kv_cache[i], shape)
+            o = self._attend(q, self.k_cache[i][:, :, :S], self.v_cache[i][:, :, :S], mask, math, shape)
+            ops.add_linear_(x, o, layer.o)
+            ops.add_linear_(x, ops.norm_gate_up_silu(x, layer.post_norm, self.eps, layer.gate_up.weight), layer.down)
+        logits = ops.norm_linear(x.view(B, T, -1)[:, T - keep:], self.norm, self.eps, self.lm_head)
+        return logits, self._stacked(aux, B, T)
+
+    def _stacked(self, aux: dict, B: int, T: int) -> torch.Tensor | None:
+        """The residual streams entering `aux_layers` (layer -> [B*T, hidden]) side by side, in aux order."""
+        return torch.cat([aux[i] for i in self.aux_layers], dim=-1).view(B, T, -1) if aux else None
 
     def _attend(self, q, k, v, mask, math: bool, shape) -> torch.Tensor:
         """q [B, KV, R*T, D] over k, v [B, KV, S, D] with the additive mask [R*T, S] -> o [B*T, H*D] (token-major):
@@ -655,14 +693,21 @@ def _add_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, bias: t
     return x.add_(linear(a, weight, bias, columns))
 
 
-# The layer's ops by `layer_ops`: torch's, or kernels.layer_ops' Triton kernels (see StaticCausalLM._forward)
+# The layer's ops by `layer_ops`: torch's, or kernels.layer_ops' Triton kernels (see StaticCausalLM._forward);
+# "fused" adds the GEMV products that `_fused_layers` runs
 LAYER_OPS = {"torch": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache_torch,
                                       attention=layer_ops_kernels.attention_torch,
                                       silu_mul=layer_ops_kernels.silu_mul_torch,
                                       rms_norm=layer_ops_kernels.rms_norm_torch),
              "triton": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache,
                                        attention=layer_ops_kernels.attention,
-                                       silu_mul=layer_ops_kernels.silu_mul, rms_norm=layer_ops_kernels.rms_norm)}
+                                       silu_mul=layer_ops_kernels.silu_mul, rms_norm=layer_ops_kernels.rms_norm),
+             "fused": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache,
+                                      attention=layer_ops_kernels.attention,
+                                      silu_mul=layer_ops_kernels.silu_mul, rms_norm=layer_ops_kernels.rms_norm,
+                                      norm_linear=layer_ops_kernels.norm_linear,
+                                      norm_gate_up_silu=layer_ops_kernels.norm_gate_up_silu,
+                                      add_linear_=layer_ops_kernels.add_linear_)}
 
 
 class _Projection:

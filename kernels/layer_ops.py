@@ -7,11 +7,16 @@
                                                            T > 1)
     silu_mul(gate_up) -> silu(gate) * up                   one kernel for two
     rms_norm(x, weight, eps)                               HF's RMSNorm (float32, round, scale): one for two
+    norm_linear(x, norm_weight, eps, weight)               rms_norm(x) @ weight.T (q/k/v, the LM head): one for two
+    norm_gate_up_silu(x, norm_weight, eps, weight)         silu(g) * u of [g | u] = rms_norm(x) @ weight.T: one for
+                                                           three
+    add_linear_(x, a, weight)                              x += a @ weight.T (o, down): one for one
 
 A one-token step of a small model is bound by how many kernels it launches (about 19 a layer, ~2 us each inside a
-CUDA graph), not by its weights; these take a layer to 10 (4 of them cuBLAS's products). Every kernel here treats
-each token on its own, so in a verify of K tokens it computes each token as a one-token step does (cuBLAS's
-products are not bound to: they may pick other kernels for other widths). The roundings are
+CUDA graph), not by its weights; the small ops take a layer to 10 (4 of them cuBLAS's products), the three GEMV
+products (layer_ops="fused") to 7. Every kernel here treats each token on its own, so in a verify of K tokens it
+computes each token as a one-token step does (cuBLAS's products are not bound to: they may pick other kernels for
+other widths; the GEMV kernels split a product by its weight's shape only). The roundings are
 the torch ops': the rotary rounds x * cos and the swapped half * sin to the activations' dtype before their sum, as
 the in-place torch ops do (and runs without fused multiply-adds, which the GPU's compiler would otherwise form),
 and the tests check the kernels bit for bit (rotary, cache, layout) or within a rounding (the norm's sum order,
@@ -20,6 +25,7 @@ silu, the attention's softmax) under TRITON_INTERPRET=1 and on a GPU.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +64,24 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
+def norm_linear_torch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    """rms_norm(x) @ weight.T: x [..., K], weight [N, K] -> [..., N] (the q/k/v product, the LM head)."""
+    return F.linear(rms_norm_torch(x, norm_weight, eps), weight)
+
+
+def norm_gate_up_silu_torch(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u for [g | u] = rms_norm(x) @ weight.T: weight [2I, K] (the gate rows, then the up rows) -> [..., I].
+    g and u are rounded to x's dtype (the product's output) before silu_mul."""
+    return silu_mul_torch(norm_linear_torch(x, norm_weight, eps, weight))
+
+
+def add_linear_torch_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x += a @ weight.T in place: x [M, N], a [M, K], weight [N, K] (cuBLAS adds x to the float32 sums and rounds
+    once: beta = 1)."""
+    return x.addmm_(a, weight.t())
+
+
 def attention_torch(q, k, v, mask, scaling: float, shape) -> torch.Tensor:
     """q [B, KV, R*T, D] (row r * T + t) over k, v [B, KV, S, D] with the additive mask [R*T, S] -> o [B*T, H*D]
     (token-major, head kv * R + r: the o projection's input). HF's eager attention (scores * scaling + mask,
@@ -87,6 +111,18 @@ if triton is not None:
             return x.to(dt).to(tl.float32)
 
     @triton.jit
+    def _silu_mul(g, u, dt: tl.constexpr):
+        """silu(g) * u for float32 g and u as torch's two ops in dt: silu rounded to dt, then the product rounded."""
+        return _round(_round(g / (1.0 + tl.exp(-g)), dt) * u, dt)
+
+    @triton.jit
+    def _normed(x, weight, K, eps, dt: tl.constexpr):
+        """HF's RMSNorm of a float32 row x (K long, zeros past it): normalised in float32, rounded to dt, scaled by
+        the float32 weight, rounded again (kept in float32)."""
+        scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+        return _round(weight * _round(x * scale, dt), dt)
+
+    @triton.jit
     def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, q_ptr, T, capacity,
                            B: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr):
         """One program per (token, head) of qkv: rotate (q, k), then store into q's layout or the cache."""
@@ -114,10 +150,7 @@ if triton is not None:
         keep = i < I
         g = tl.load(gu_ptr + row * 2 * I + i, mask=keep, other=0.0)
         u = tl.load(gu_ptr + row * 2 * I + I + i, mask=keep, other=0.0).to(tl.float32)
-        dt = g.dtype
-        gf = g.to(tl.float32)
-        silu = _round(gf / (1.0 + tl.exp(-gf)), dt)
-        tl.store(out_ptr + row * I + i, _round(silu * u, dt).to(dt), mask=keep)
+        tl.store(out_ptr + row * I + i, _silu_mul(g.to(tl.float32), u, g.dtype).to(g.dtype), mask=keep)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
@@ -125,12 +158,53 @@ if triton is not None:
         n = tl.arange(0, BLOCK)
         keep = n < N
         x = tl.load(x_ptr + row * N + n, mask=keep, other=0.0)
-        dt = x.dtype
-        xf = x.to(tl.float32)
-        scale = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        normed = _round(xf * scale, dt)
         w = tl.load(w_ptr + n, mask=keep, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * N + n, _round(w * normed, dt).to(dt), mask=keep)
+        tl.store(out_ptr + row * N + n, _normed(x.to(tl.float32), w, N, eps, x.dtype).to(x.dtype), mask=keep)
+
+    @triton.jit
+    def _tile(w_ptr, n, k, live_n, live_k, K):
+        """Rows n of a row-major [*, K] weight, columns k (zeros where n or k is out of range), in float32."""
+        return tl.load(w_ptr + n[:, None] * K + k[None, :], mask=live_n[:, None] & live_k[None, :],
+                       other=0.0).to(tl.float32)
+
+    @triton.jit(do_not_specialize=["M", "rows"])
+    def _gemv_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, K, eps, rows, NORM: tl.constexpr, SILU: tl.constexpr,
+                     ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out [M, N] from the rows of a [M, K] and a weight [N, K] ([2N, K] with SILU): one program per (BLOCK_N
+        outputs, `rows` rows). It loads its whole weight tile at once (with SILU two: gate rows n, up rows N + n),
+        then takes its rows in turn (the next row's load in flight meanwhile): the row RMSNorm'd (NORM), the
+        tile's products summed in float32 (tl.sum), rounded to out's dtype, then silu(g) * u (SILU), or x's value
+        added before the rounding (ADD: out is x, cuBLAS's beta = 1). M and rows are not specialised on: every row
+        runs the same code whatever M, so a row's bits do not depend on how many rows come with it (the launcher
+        keeps a's alignment, which shapes its loads' layout, the same too)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        live_n, live_k = n < N, k < K
+        dt = out_ptr.dtype.element_ty
+        w = _tile(w_ptr, n, k, live_n, live_k, K)
+        if SILU:
+            w_up = _tile(w_ptr + N * K, n, k, live_n, live_k, K)
+        if NORM:
+            norm = tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32)
+        first = tl.program_id(1) * rows
+        last = tl.minimum(first + rows, M)
+        a = tl.load(a_ptr + first * K + k, mask=live_k, other=0.0)
+        m = first
+        while m < last:  # a while loop: a runtime range() bound breaks the interpreter (see kernels/verify.py)
+            following = tl.load(a_ptr + (m + 1) * K + k, mask=live_k & (m + 1 < last), other=0.0)
+            if ADD:  # loaded before the sums, so that its latency overlaps them
+                residual = tl.load(out_ptr + m * N + n, mask=live_n, other=0.0).to(tl.float32)
+            h = a.to(tl.float32)
+            if NORM:
+                h = _normed(h, norm, K, eps, dt)
+            y = tl.sum(w * h[None, :], axis=1)
+            if SILU:
+                y = _silu_mul(_round(y, dt), _round(tl.sum(w_up * h[None, :], axis=1), dt), dt)
+            if ADD:
+                y += residual
+            tl.store(out_ptr + m * N + n, _round(y, dt).to(dt), mask=live_n)
+            a = following
+            m += 1
 
     @triton.jit
     def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, T, S, scaling, k_batch, k_head, k_slot,
@@ -184,11 +258,37 @@ if triton is not None:
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multiplies bfloat16 by its bits: widen
 _TL = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 CHUNK = 64  # keys a program of the attention takes
+ROWS = 4  # rows a GEMV program takes in turn (more rows go to more programs, which read the same weight tiles)
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """How `norm_linear`, `norm_gate_up_silu` and `add_linear_` split a product. `rows` never changes a result's
+    bits; `block_n` and `warps` change the order of the sums, so they must not depend on M (the defaults depend on
+    the weight's shape and the device only)."""
+
+    block_n: int | None = None  # outputs a program computes (None: 16, 8 or 4, the largest giving every SM one)
+    rows: int = ROWS  # rows a program takes in turn
+    warps: int | None = None  # warps a program runs (None: 4 for weight tiles of up to 4096 values, else 8)
+
+    def __post_init__(self):
+        if self.block_n is not None and (self.block_n < 1 or self.block_n & (self.block_n - 1)):
+            raise ValueError(f"block_n must be a power of two, got {self.block_n}")
+        if self.rows < 1:
+            raise ValueError(f"rows must be positive, got {self.rows}")
+
+    def resolved(self, n_out: int, K: int, paired: bool, device: torch.device) -> "GemvTiles":
+        """These tiles with the defaults filled in for n_out outputs over K inputs (paired: two weight rows each)."""
+        # the interpreter runs its programs one after another: as if on one SM, the fewest programs
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        block_n = self.block_n or next((b for b in (16, 8) if triton.cdiv(n_out, b) >= sms), 4)
+        values = block_n * triton.next_power_of_2(K) * (2 if paired else 1)
+        return replace(self, block_n=block_n, warps=self.warps or (4 if values <= 4096 else 8))
 
 
 def auto(device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str:
-    """What layer_ops="auto" runs: the environment's FLASHSPEC_LAYER_OPS (torch | triton, for A/B runs) where set,
-    else the kernels on CUDA where they take these heads, else torch."""
+    """What layer_ops="auto" runs: the environment's FLASHSPEC_LAYER_OPS (torch | triton | fused, for A/B runs)
+    where set, else the kernels ("triton") on CUDA where they take these heads, else torch."""
     fits = device.type == "cuda" and triton is not None and supported(heads, kv_heads, head_dim)
     return os.environ.get("FLASHSPEC_LAYER_OPS") or ("triton" if fits else "torch")
 
@@ -244,3 +344,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, N, eps, BLOCK=triton.next_power_of_2(N))
     return out.view(x.shape)
+
+
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
+                tiles: GemvTiles = GemvTiles()) -> torch.Tensor:
+    """`norm_linear_torch` in one kernel: every program normalises the row itself (no bias)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # a copy only for strided rows (the LM head's kept rows)
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    _gemv(rows, norm_weight.contiguous(), eps, weight, out, tiles)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
+                      tiles: GemvTiles = GemvTiles()) -> torch.Tensor:
+    """`norm_gate_up_silu_torch` in one kernel (no bias): a program computes gate rows j and up rows I + j from the
+    same normalised row. It rounds where the "triton" loop does: g and u, float32 sums, each rounded to x's dtype
+    (cuBLAS's bfloat16 output), then silu(g) rounded and silu(g) * u rounded (`silu_mul`'s two roundings)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0] // 2, dtype=x.dtype, device=x.device)
+    _gemv(rows, norm_weight.contiguous(), eps, weight, out, tiles, silu=True)
+    return out.view(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def add_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, *,
+                tiles: GemvTiles = GemvTiles()) -> torch.Tensor:
+    """`add_linear_torch_` in one kernel: x [M, N] (contiguous) += a [M, K] @ weight.T, x added to the float32 sums
+    before the one rounding (no bias)."""
+    if x.dim() != 2 or not x.is_contiguous() or a.shape[0] != x.shape[0] or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"add_linear_ needs a contiguous x [M, N], a [M, K] and weight [N, K]; got x "
+                         f"{tuple(x.shape)}, a {tuple(a.shape)}, weight {tuple(weight.shape)}")
+    return _gemv(a.contiguous(), None, 0.0, weight, x, tiles, add=True)
+
+
+def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles, silu: bool = False, add: bool = False):
+    """`_gemv_kernel` over the rows of a [M, K] into out [M, N] (with silu N is half weight's rows)."""
+    if a.data_ptr() % 16:  # a fresh copy is aligned: a misaligned view would compile other layouts, other sums
+        a = a.clone()
+    M, K = a.shape
+    if weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
+        raise ValueError(f"the GEMV needs a contiguous weight [N, {K}], got {tuple(weight.shape)} with strides "
+                         f"{weight.stride()}")
+    n_out = out.shape[1]
+    tiles = tiles.resolved(n_out, K, silu, a.device)
+    grid = (triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))
+    _gemv_kernel[grid](a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, K, eps, tiles.rows,
+                       NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n,
+                       BLOCK_K=triton.next_power_of_2(K), num_warps=tiles.warps)
+    return out

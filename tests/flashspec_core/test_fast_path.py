@@ -275,6 +275,18 @@ def test_sliding_window_and_dynamic_rope_are_refused():
         StaticCausalLM(build("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0))
 
 
+def test_fused_layer_ops_need_fused_weights_without_biases_and_the_environment_selects_them(monkeypatch):
+    with pytest.raises(ValueError, match="biases"):
+        StaticCausalLM(build("qwen2"), max_len=32, layer_ops="fused")  # q/k/v biases
+    with pytest.raises(ValueError, match="fuse=False"):
+        StaticCausalLM(build(), max_len=32, layer_ops="fused", fuse=False)
+    monkeypatch.setenv("FLASHSPEC_LAYER_OPS", "fused")  # "auto" follows it (A/B runs)
+    lm = StaticCausalLM(build(), max_len=32)
+    assert lm.layer_ops == "fused" and lm.path.endswith("with fused GEMV products")
+    monkeypatch.setenv("FLASHSPEC_LAYER_OPS", "triton")
+    assert StaticCausalLM(build(), max_len=32).layer_ops == "triton"
+
+
 def test_fast_or_eager_modes():
     model = build("llama")
     assert is_supported(model) == (True, "")
@@ -370,6 +382,25 @@ def test_graphs_match_eager_static_and_hf_bf16(shape):
         torch.testing.assert_close(graphs.forward(ids), eager.forward(ids), atol=0, rtol=0)
         graphs.crop(graphs.length - drop)
         eager.crop(eager.length - drop)
+
+
+@cuda
+def test_fused_layer_ops_give_a_verify_the_bits_of_one_token_steps_through_graphs_in_bf16():
+    """layer_ops="fused" on the embedded model's shape: an 8-token verify (its own graph) gives the bits of 8
+    one-token steps (theirs), and the logits stay within bf16 rounding of the "triton" ops' (cuBLAS's products)."""
+    model = build("llama", seed=9, std=0.05, device="cuda", dtype=torch.bfloat16, shape=SMOLLM2)
+    g = torch.Generator().manual_seed(12)
+    prompt, new = (torch.randint(0, model.config.vocab_size, (1, n), generator=g).cuda() for n in (40, 8))
+    logits = {}
+    for ops in ("triton", "fused"):
+        lm = StaticCausalLM(model, max_len=256, layer_ops=ops)
+        lm.forward(prompt)
+        logits[ops] = torch.cat([lm.forward(new[:, i:i + 1]) for i in range(8)], dim=1)
+        lm.crop(40)
+        if ops == "fused":
+            assert torch.equal(lm.forward(new), logits[ops])
+    scale = logits["triton"].abs().amax()
+    assert (logits["fused"] - logits["triton"]).abs().amax() <= 0.05 * scale
 
 
 @cuda

@@ -75,25 +75,50 @@ def test_attention_is_the_torch_ops_within_a_rounding_and_a_tokens_bits_do_not_d
     assert not torch.allclose(heads_swapped, o, rtol=tol, atol=tol)
 
 
-def test_the_model_with_the_kernels_gives_the_torch_ops_logits_and_greedy_tokens(device):
+def tiny_model(device, dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from flashspec_core.fast_path import StaticCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = LlamaForCausalLM(config).to(device).eval()
+    return LlamaForCausalLM(config).to(device, dtype).eval()
+
+
+def test_the_model_with_the_kernels_gives_the_torch_ops_logits_and_greedy_tokens(device):
+    from flashspec_core.fast_path import StaticCausalLM
+
+    model = tiny_model(device)
     ids = torch.randint(0, 97, (1, 9), device=device)
     runs = {}
-    for ops in ("torch", "triton"):
+    for ops in ("torch", "triton", "fused"):
         fast = StaticCausalLM(model, max_len=64, use_graphs=False, layer_ops=ops)
+        assert fast.layer_ops == ops
         logits = [fast.forward(ids)[:, -1]]
         for _ in range(4):  # greedy steps of one token
             logits.append(fast.forward(logits[-1].argmax(-1, keepdim=True))[:, -1])
         runs[ops] = torch.stack(logits)
-    torch.testing.assert_close(runs["triton"], runs["torch"], rtol=1e-4, atol=1e-4)
-    assert torch.equal(runs["triton"].argmax(-1), runs["torch"].argmax(-1))
+    for ops in ("triton", "fused"):
+        torch.testing.assert_close(runs[ops], runs["torch"], rtol=1e-4, atol=1e-4)
+        assert torch.equal(runs[ops].argmax(-1), runs["torch"].argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_on_the_fused_products_is_one_token_steps_bit_for_bit(device, dtype):
+    """5 tokens in one forward give the logits and hidden states of 5 one-token steps, bit for bit: what keeps
+    greedy speculative decoding equal to plain decoding."""
+    from flashspec_core.fast_path import StaticCausalLM
+
+    lm = StaticCausalLM(tiny_model(device, dtype), max_len=64, use_graphs=False, layer_ops="fused")
+    lm.aux_layers = (0, 1)
+    g = torch.Generator(device=device).manual_seed(7)
+    prompt = torch.randint(0, 97, (1, 6), generator=g, device=device)
+    new = torch.randint(0, 97, (1, 5), generator=g, device=device)
+    lm.forward(prompt)
+    steps = [(lm.forward(new[:, i:i + 1]), lm.aux) for i in range(5)]
+    lm.crop(6)
+    verify = lm.forward(new)
+    assert torch.equal(verify, torch.cat([s[0] for s in steps], dim=1))
+    assert torch.equal(lm.aux, torch.cat([s[1] for s in steps], dim=1))
 
 
 
@@ -140,3 +165,68 @@ def test_greedy_with_the_heads_step_on_the_kernels_equals_plain(device):
     plain = engine.generate(prompt, 24, mode="plain").token_ids
     assert engine.generate(prompt, 24, gamma=3, drafters=["draft_head"]).token_ids == plain
     assert engine.round.captured is not None and engine.round.launched_ahead > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fused GEMV products (layer_ops="fused")
+
+
+def product_inputs(M, K, N, dtype, device, seed=5):
+    """x [M, K], a norm weight that is not all ones, a weight [N, K] ~ 1/sqrt(K) and an input a [M, N] for the
+    products that add into x (weights [K, N] there)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, K, generator=g, device=device).to(dtype)
+    norm = (1 + torch.randn(K, generator=g, device=device) / 4).to(dtype)
+    weight = (torch.randn(N, K, generator=g, device=device) / K ** 0.5).to(dtype)
+    a = torch.randn(M, N, generator=g, device=device).to(dtype)
+    return x, norm, weight, a
+
+
+def close(got, want, dtype) -> bool:
+    """Within a rounding or two of the activations' dtype (float32: the sums' order)."""
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    return torch.allclose(got.float(), want.float(), rtol=tol, atol=2 * tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M,K,N", [(5, 96, 42), (3, 576, 40), (2, 1536, 24)],
+                         ids=["irregular", "hidden-576", "intermediate-1536"])
+def test_the_fused_products_are_the_torch_ops_within_a_rounding(device, dtype, M, K, N):
+    x, norm, weight, a = product_inputs(M, K, N, dtype, device)
+    eps = 1e-5
+    want = layer_ops.norm_linear_torch(x, norm, eps, weight)
+    got = layer_ops.norm_linear(x, norm, eps, weight)
+    assert got.shape == (M, N) and got.dtype == dtype and close(got, want, dtype)
+    assert not close(got, torch.nn.functional.linear(x, weight), dtype)  # the norm matters
+    assert not close(got, layer_ops.norm_linear_torch(x, norm.flip(0), eps, weight), dtype)  # and its weight
+    want = layer_ops.norm_gate_up_silu_torch(x, norm, eps, weight)  # gate rows 0..N/2-1, up rows N/2..N-1
+    got = layer_ops.norm_gate_up_silu(x, norm, eps, weight)
+    assert got.shape == (M, N // 2) and close(got, want, dtype)
+    assert not close(got, layer_ops.norm_gate_up_silu_torch(x, norm, eps, weight.roll(N // 2, 0)), dtype)
+    residual = x.clone()
+    want = layer_ops.add_linear_torch_(x.clone(), a, weight.t().contiguous())
+    assert layer_ops.add_linear_(residual, a, weight.t().contiguous()) is residual and close(residual, want, dtype)
+    assert not close(residual, a @ weight, dtype)  # the residual is added
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_rows_fused_products_do_not_depend_on_the_other_rows(device, dtype):
+    """Each of 11 rows computed alone (M = 1), in one call (M = 11), and in programs of 3 rows: the same bits (a
+    verify of 11 tokens is 11 one-token steps)."""
+    x, norm, weight, a = product_inputs(11, 576, 48, dtype, device, seed=6)
+    down = (weight[:, :40].t() / 2).contiguous()  # [40, 48]: x[:, :40] += a @ down.T
+    three, narrow = layer_ops.GemvTiles(rows=3), layer_ops.GemvTiles(block_n=4)  # the H200's block for N <= 2112
+    products = {
+        "norm_linear": lambda rows, **kw: layer_ops.norm_linear(x[rows], norm, 1e-5, weight, **kw),
+        "norm_gate_up_silu": lambda rows, **kw: layer_ops.norm_gate_up_silu(x[rows], norm, 1e-5, weight, **kw),
+        "add_linear_": lambda rows, **kw: layer_ops.add_linear_(x[rows, :40].contiguous(), a[rows], down, **kw),
+    }
+    for name, product in products.items():
+        every = product(slice(None))
+        assert torch.equal(product(slice(None), tiles=three), every), name
+        for m in range(11):
+            assert torch.equal(product(slice(m, m + 1)), every[m:m + 1]), (name, m)
+        every = product(slice(None), tiles=narrow)
+        assert close(every, product(slice(None)), dtype)  # another order of sums
+        for m in (0, 5, 10):
+            assert torch.equal(product(slice(m, m + 1), tiles=narrow), every[m:m + 1]), (name, m)
