@@ -41,15 +41,31 @@ PRODUCTS = {  # name: (K, weight rows N, kind)
 PRODUCT_ROWS = (1, 8)
 
 
-def build(max_len: int = 1024, layer_ops: str = "torch") -> StaticCausalLM:
+SHAPES = {  # --shape: the embedded model's, and a 1.1B Llama's (TinyLlama-1.1B's sizes) for the weight floor
+    "smollm2-135m": dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=30,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, tie_word_embeddings=True),
+    "llama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                       num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False),
+}
+HBM_BYTES_PER_S = 4.8e12  # an H200's memory bandwidth as its maker states it: the weight floor's divisor
+
+
+def build(max_len: int = 1024, layer_ops: str = "torch", shape: str = "smollm2-135m") -> StaticCausalLM:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=30,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=8192,
-                      rms_norm_eps=EPS, rope_theta=100000.0, tie_word_embeddings=True)
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, rms_norm_eps=EPS, rope_theta=100000.0)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
     return StaticCausalLM(model, max_len=max_len, layer_ops=layer_ops)
+
+
+def weight_floor_ms(lm: StaticCausalLM) -> float:
+    """The ms a step needs to read every weight once at the memory's stated bandwidth (the embedding's rows aside:
+    a step reads T of them)."""
+    embed = lm.model.get_input_embeddings().weight
+    tied = lm.model.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
+    read = sum(p.numel() * p.element_size() for p in lm.model.parameters() if p is not embed or tied)
+    return 1e3 * read / HBM_BYTES_PER_S
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 200) -> float:
@@ -119,7 +135,7 @@ def compiled_row(lm: StaticCausalLM, ids, pos, S: int, T: int) -> dict:
 
 @torch.inference_mode()
 def measure(lm: StaticCausalLM, T: int, S: int, compiled: bool) -> dict:
-    ids = torch.randint(0, 49152, (1, T), device="cuda")
+    ids = torch.randint(0, lm.vocab_size, (1, T), device="cuda")
     pos = torch.arange(S - T - 8, S - 8, device="cuda")
     row = {"tokens": T, "context": S}
     row["graph_ms"] = replay_ms(capture(lm._forward, ids, pos, S, T))
@@ -239,7 +255,8 @@ def print_products(rows: list[dict]) -> None:
 
 def write(rows: list[dict], argv, product_rows: list[dict] | None = None) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"gpu_step_{torch.cuda.get_device_name().replace(' ', '-').lower()}.json"
+    shape = next((r["shape"] for r in rows if r.get("shape", "smollm2-135m") != "smollm2-135m"), None)
+    out = RESULTS / f"gpu_step_{torch.cuda.get_device_name().replace(' ', '-').lower()}{'_' + shape if shape else ''}.json"
     command = "python -m benchmarks.gpu_step " + " ".join(sys.argv[1:] if argv is None else argv)
     data = {"command": command, "env": environment(), "rows": rows}
     if product_rows is not None:
@@ -252,14 +269,15 @@ def step_rows(args, argv) -> list[dict]:
     rows, first = [], {}
     for ops in args.layer_ops:
         try:
-            lm = build(layer_ops=ops)
+            lm = build(layer_ops=ops, shape=args.shape)
         except Exception as e:  # noqa: BLE001 - the other choices still run
             rows.append({"layer_ops": ops, "error": f"{type(e).__name__}: {e}"[:300]})
             continue
         for T in args.tokens:
             compiled = not args.no_compile and T in args.compile_tokens
             try:
-                row = {"layer_ops": ops, **measure(lm, T, args.context, compiled)}
+                row = {"layer_ops": ops, "shape": args.shape, "weight_floor_ms": weight_floor_ms(lm),
+                       **measure(lm, T, args.context, compiled)}
                 logits = row.pop("logits")
                 row["max_logit_diff_vs_first"] = float((logits - first.setdefault(T, logits)).abs().max())
             except Exception as e:  # noqa: BLE001
@@ -271,15 +289,16 @@ def step_rows(args, argv) -> list[dict]:
 
 
 def print_steps(rows: list[dict]) -> None:
-    print("| layer ops | tokens | graph ms | kernels | logit diff vs first | compiled graph ms | compiled kernels "
-          "| compile s | compiled logit diff |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| layer ops | tokens | graph ms | weight floor ms | kernels | logit diff vs first | compiled graph ms | "
+          "compiled kernels | compile s | compiled logit diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['layer_ops']} | {r.get('tokens', '-')} | failed: {r['error']} | | | | | | |")
+            print(f"| {r['layer_ops']} | {r.get('tokens', '-')} | failed: {r['error']} | | | | | | | |")
             continue
         c = r.get("compiled_kernels", {})
-        print(f"| {r['layer_ops']} | {r['tokens']} | {r['graph_ms']:.3f} | {r['eager_kernels']['count']} | "
+        print(f"| {r['layer_ops']} | {r['tokens']} | {r['graph_ms']:.3f} | {r['weight_floor_ms']:.3f} | "
+              f"{r['eager_kernels']['count']} | "
               f"{r['max_logit_diff_vs_first']:.3g} | {r.get('compiled_graph_ms', 0):.3f} | {c.get('count', '-')} | "
               f"{r.get('compile_s', 0):.0f} | {r.get('compiled_max_logit_diff', 0):.3g} |")
         if "compile_error" in r:
@@ -299,6 +318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-tokens", type=int, nargs="*", default=[1], help="token counts also compiled")
     ap.add_argument("--layer-ops", nargs="*", default=["torch"], choices=["torch", "triton", "fused"],
                     help="the step under each choice (none: no step rows)")
+    ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES),
+                    help="random weights of this shape for the step rows (the products are the embedded model's)")
     ap.add_argument("--products", action="store_true",
                     help=f"also time each projection alone at M = {', '.join(map(str, PRODUCT_ROWS))}: cuBLAS, the "
                          "triton ops, the fused GEMV under several tiles")
