@@ -135,6 +135,7 @@ class DeviceRound:
         self.transcript: Transcript | None = None  # the stream's, while a drafter that remembers is not fed
         self.backlog: dict[str, list[Transcript]] = {}  # per such drafter: the streams it missed, oldest first
         self.unsettled: tuple[list[list[int]], int, list[Drafter]] = ([], 0, [])  # `land` left them for `settle`
+        self.stream: torch.cuda.Stream | None = None  # the stream's CUDA stream (`start`), for the rounds' events
 
     # -- the two calls -------------------------------------------------------------------------------
     def start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
@@ -148,6 +149,7 @@ class DeviceRound:
         self.unlanded.clear()  # a round the last stream left in flight is dropped (its device work is queued first)
         self.unsettled = ([], 0, [])
         self.launched_ahead = 0
+        self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.feed(rows, arms)
         readers = [self.drafters[a] for a in (arms or self.drafters)]
         self.target.aux_layers = next((d.aux_layers for d in readers if d.aux_layers), ())
@@ -224,7 +226,7 @@ class DeviceRound:
     def _launch(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator) -> Launched:
         if self.captured is not None:
             return self._launch_captured(rows, drafter, k, sampling)
-        timer = RoundTimer(self.device)
+        timer = RoundTimer(self.device, self.stream)
         guessers = self._guessers()
         guesses = [self.drafters[name].guess for name in guessers]  # taken before this round's update
         proposal = drafter.propose(rows, k)  # draft
@@ -274,7 +276,7 @@ class DeviceRound:
     # -- captured rounds ------------------------------------------------------------------------------
     def _launch_captured(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig) -> Launched:
         """The round as one captured graph: the head drafts inside it; a model-free drafter's ids are copied in."""
-        timer, c, head = RoundTimer(self.device), self.captured, self.captured.head
+        timer, c, head = RoundTimer(self.device, self.stream), self.captured, self.captured.head
         guessers = [head.name] if head is not None and self.target.aux_layers and head.h is not None else []
         if drafter is head and head.h is not None and k > 0:
             K = k
@@ -285,23 +287,21 @@ class DeviceRound:
         shape = Shape(drafter is head and K > 0, K, self.target.bucket(self.target.length + K + 1), sampling.greedy,
                       bool(self.target.aux_layers))
         timer.drafted()  # a model-free draft ends here; the head's drafting runs inside the round (in verify_s)
-        packed, ready = self._to_host(c.run(shape))
-        timer.launched()
+        packed = self._to_host(c.run(shape))
+        timer.launched()  # after the record's copy was queued: this event also says when the host may read it
         self.target.length += K + 1  # the host's count of what the verify appended (rolled back in `land`)
-        return Launched(K, packed, guessers, timer, captured=True, ready=ready)
+        return Launched(K, packed, guessers, timer, captured=True, ready=timer.end if timer.cuda else None)
 
-    def _to_host(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def _to_host(self, packed: torch.Tensor) -> torch.Tensor:
         """On CUDA, queue the record's copy into a pinned host buffer (two a size, taken in turn: at most two rounds
-        are in flight, and a graph's next replay overwrites its own record) and an event after it."""
+        are in flight, and a graph's next replay overwrites its own record)."""
         if packed.device.type != "cuda":
-            return packed, None
+            return packed
         pair = self._pinned.setdefault(tuple(packed.shape), [torch.empty(packed.shape, dtype=packed.dtype,
                                                                           pin_memory=True) for _ in range(2)])
         pair.reverse()
         pair[0].copy_(packed, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return pair[0], ready
+        return pair[0]
 
     def _update_captured(self, rows: list[list[int]], kept: int, first: Drafter | None = None) -> None:
         """After a captured round: the head has observed it on the device (its cache now holds `kept` slots);
@@ -449,22 +449,23 @@ class RoundTimer:
     the rest: verify, accept, roll back and update, device): device is the GPU's time from the end of drafting to
     the end of the launched work (a captured round: its graph's time), None on the CPU."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, stream: "torch.cuda.Stream | None" = None):
         self.cuda = device.type == "cuda"
         self.t0 = time.perf_counter()
-        if self.cuda:
+        if self.cuda:  # events recorded on a given stream: looking the current one up costs host time each call
+            self.stream = stream or torch.cuda.current_stream(device)
             self.start, self.mid, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            self.start.record()
+            self.start.record(self.stream)
 
     def drafted(self):
         if self.cuda:
-            self.mid.record()
+            self.mid.record(self.stream)
         else:
             self.t1 = time.perf_counter()
 
     def launched(self):
         if self.cuda:
-            self.end.record()
+            self.end.record(self.stream)
 
     def done(self, since: float = 0.0) -> tuple[float, float, float | None]:
         """`since`: the last round's landing; a round launched before it counts its wall time from there."""

@@ -48,7 +48,7 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     """One tree round over rows of equal length (`round_` a `DeviceRound`): draft, verify, accept, compact, update.
     nodes: a function of row 0's node scores (host floats, best first) that says how many of the drafted nodes to
     verify (greedy tree "auto", `HostPolicy.tree_plan`); None verifies them all."""
-    timer, target = RoundTimer(round_.device), round_.target
+    timer, target = RoundTimer(round_.device, round_.stream), round_.target
     guessers = round_._guessers()
     guesses = [round_.drafters[name].guess for name in guessers]
     proposal = drafter.propose_tree(rows, shape.depth, shape.top_k, shape.size)  # draft
