@@ -277,6 +277,15 @@ def median_rows(rounds: list[list[dict]]) -> list[dict]:
     return rows
 
 
+def calibration(engine: Engine) -> dict:
+    """The costs every decision of the engine weighs (`Engine.calibrate`), in ms: the target's forward by tokens fed,
+    and each drafter's propose time per round and per drafted token."""
+    policy = engine.policy
+    return {"forward_ms": {T: round(1e3 * s, 4) for T, s in sorted(policy.costs.seconds.items())},
+            "draft_ms": {name: {"per_round": round(1e3 * c.per_round, 4), "per_token": round(1e3 * c.per_token, 4)}
+                         for name, c in policy.draft_costs.items()}}
+
+
 def write_results(engine: Engine, rows: list[dict], peers: dict, args, argv) -> dict:
     """JSON (with the environment and the command) and CSV under benchmarks/results/; returns the environment."""
     from flashspec_core.engine import paths
@@ -287,7 +296,7 @@ def write_results(engine: Engine, rows: list[dict], peers: dict, args, argv) -> 
     env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine),
                precision=engine.precision, peers={k: v["version"] for k, v in peers.items()}, repeats=args.repeats,
                rounds=args.rounds, captured=args.captured, launch_ahead=args.launch_ahead, warm_up_s=args.warm_up_s,
-               eager_rounds=getattr(engine.round.captured, "eager_rounds", None))
+               eager_rounds=getattr(engine.round.captured, "eager_rounds", None), calibration=calibration(engine))
     payload = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
                "seed": args.seed, "gamma": args.gamma, "env": env, "rows": [stored(r) for r in rows]}
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2))
