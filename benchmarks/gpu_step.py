@@ -9,9 +9,10 @@ bfloat16, `StaticCausalLM` (static cache, fused q/k/v and gate/up). For each tok
 captured forward over a `--context`-slot bucket (median of 200 replays, CUDA events), the kernels one eager
 forward launches (count, and the slowest names by total time), then the compiled forward captured the same way.
 `--layer-ops triton` measures the step with `kernels.layer_ops` (one row per choice, the same weights); `fused`
-with its GEMV products. `--products` then times each projection of the layer (and the LM head) alone at M = 1 and
-8 rows: cuBLAS's product, the "triton" loop's ops for the same job (RMSNorm kernel + cuBLAS, + silu_mul), and the
-fused GEMV kernel under its default tiles and a few others (each a CUDA graph of 100 calls, median replay / 100),
+with its GEMV products. `--products` then times each projection of the layer (and the LM head) alone at M = 1, 8
+and 17 rows: cuBLAS's product, the "triton" loop's ops for the same job (RMSNorm kernel + cuBLAS, + silu_mul), and
+the fused GEMV kernel under its default tiles and a few others, its tl.dot variant (16 rows a program) among them
+(each a CUDA graph of 100 calls, median replay / 100),
 with each fused row's largest difference from the "triton" ops and whether its M rows equal the rows alone bit for
 bit. Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
 Numbers, not assertions. CUDA only.
@@ -38,7 +39,7 @@ PRODUCTS = {  # name: (K, weight rows N, kind)
     "gate_up": (HIDDEN, 2 * INTERMEDIATE, "norm_gate_up_silu"), "down": (INTERMEDIATE, HIDDEN, "add_linear_"),
     "lm_head": (HIDDEN, VOCAB, "norm_linear"),
 }
-PRODUCT_ROWS = (1, 8)
+PRODUCT_ROWS = (1, 8, 17)  # one token, a verify of 8, the widest verify (17: two of the dot variant's row blocks)
 
 
 SHAPES = {  # --shape: the embedded model's, and a 1.1B Llama's (TinyLlama-1.1B's sizes) for the weight floor
@@ -183,6 +184,10 @@ def tile_choices(M: int):
         yield layer_ops.GemvTiles(warps=warps)
     for rows in ((1, 2, 8) if M > 1 else ()):
         yield layer_ops.GemvTiles(rows=rows)
+    yield layer_ops.GemvTiles(dot=True)  # the tl.dot variant: 16 rows a program at once, whatever M
+    yield layer_ops.GemvTiles(dot=True, block_n=32)
+    yield layer_ops.GemvTiles(dot=True, block_k=128)
+    yield layer_ops.GemvTiles(dot=True, warps=8)
 
 
 def resolve(name: str, tiles):
@@ -239,17 +244,20 @@ def products(write_rows) -> list[dict]:
 
 
 def print_products(rows: list[dict]) -> None:
-    print("\n| product | M | op | block_n | rows | warps | us | x cuBLAS | max diff vs triton | rows = alone |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| product | M | op | block_n | rows | warps | dot block_k | us | x cuBLAS | max diff vs triton | "
+          "rows = alone |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     base = {(r["product"], r["M"]): r.get("us") for r in rows if r["op"] == "cublas"}
     for r in rows:
         if "error" in r:
-            print(f"| {r['product']} | {r['M']} | {r['op']} | | | | failed: {r['error']} | | | |")
+            print(f"| {r['product']} | {r['M']} | {r['op']} | | | | | failed: {r['error']} | | | |")
             continue
         t, cublas = r.get("tiles", {}), base.get((r["product"], r["M"]))
         ratio = f"{r['us'] / cublas:.2f}" if cublas else "-"
-        print(f"| {r['product']} | {r['M']} | {r['op']} | {t.get('block_n', '')} | {t.get('rows', '')} | "
-              f"{t.get('warps', '')} | {r['us']:.2f} | {ratio} | {r.get('max_diff_vs_triton', '')} | "
+        dot = t.get("block_k") if t.get("dot") else ""
+        loop_rows = "" if t.get("dot") else t.get("rows", "")
+        print(f"| {r['product']} | {r['M']} | {r['op']} | {t.get('block_n', '')} | {loop_rows} | "
+              f"{t.get('warps', '')} | {dot} | {r['us']:.2f} | {ratio} | {r.get('max_diff_vs_triton', '')} | "
               f"{r.get('rows_equal_alone', '')} |")
 
 

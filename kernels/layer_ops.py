@@ -119,7 +119,11 @@ if triton is not None:
     def _normed(x, weight, K, eps, dt: tl.constexpr):
         """HF's RMSNorm of a float32 row x (K long, zeros past it): normalised in float32, rounded to dt, scaled by
         the float32 weight, rounded again (kept in float32)."""
-        scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+        return _scaled(x, 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps), weight, dt)
+
+    @triton.jit
+    def _scaled(x, scale, weight, dt: tl.constexpr):
+        """x * scale (the RMSNorm's 1 / rms) rounded to dt, times the float32 weight, rounded again (in float32)."""
         return _round(weight * _round(x * scale, dt), dt)
 
     @triton.jit
@@ -207,6 +211,56 @@ if triton is not None:
             m += 1
 
     @triton.jit
+    def _block(ptr, r, k, live_r, K: tl.constexpr):
+        """Rows r, columns k of a row-major [*, K] tensor (zeros where r or k is out of range), in its dtype."""
+        return tl.load(ptr + r[:, None] * K + k[None, :], mask=live_r[:, None] & (k < K)[None, :], other=0.0)
+
+    @triton.jit(do_not_specialize=["M"])
+    def _gemv_dot_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, K: tl.constexpr, NORM: tl.constexpr,
+                         SILU: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         ROWS_BLOCK: tl.constexpr, WIDE: tl.constexpr):
+        """`_gemv_kernel`'s job on the tensor cores: one program per (BLOCK_N outputs, ROWS_BLOCK rows), all its rows
+        at once, out[rows, n] = h[rows, :K] @ w[n, :K].T as tl.dot over K in BLOCK_K chunks (unrolled, float32
+        sums). With NORM a first pass sums each row's squares (the chunks are read again for the product). The
+        roundings are `_gemv_kernel`'s: h rounded to out's dtype before the product, g and u rounded before silu,
+        x added before the one rounding. Rows past M are zeros and never stored; ROWS_BLOCK is fixed and M is not
+        specialised on, so a row's bits do not depend on M or on the rows beside it (tl.dot sums each output over
+        its own row and column, in an order set by the shapes alone)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(1) * ROWS_BLOCK + tl.arange(0, ROWS_BLOCK)
+        live_n, live_m = n < N, m < M
+        dt = out_ptr.dtype.element_ty
+        if NORM:
+            squares = tl.zeros([ROWS_BLOCK], dtype=tl.float32)
+            for c in tl.static_range(0, K, BLOCK_K):
+                h = _block(a_ptr, m, c + tl.arange(0, BLOCK_K), live_m, K).to(tl.float32)
+                squares += tl.sum(h * h, axis=1)
+            scale = 1.0 / tl.sqrt(squares / K + eps)
+        y = tl.zeros([ROWS_BLOCK, BLOCK_N], dtype=tl.float32)
+        if SILU:
+            y_up = tl.zeros([ROWS_BLOCK, BLOCK_N], dtype=tl.float32)
+        for c in tl.static_range(0, K, BLOCK_K):
+            k = c + tl.arange(0, BLOCK_K)
+            live_k = k < K
+            h = _block(a_ptr, m, k, live_m, K).to(tl.float32)
+            if NORM:
+                norm = tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32)
+                h = _scaled(h, scale[:, None], norm[None, :], dt)
+            h = h.to(dt).to(WIDE)  # exact: h holds dt's values
+            w = _block(w_ptr, n, k, live_n, K).to(WIDE)
+            y = tl.dot(h, tl.trans(w), y, input_precision="ieee")
+            if SILU:
+                w_up = _block(w_ptr + N * K, n, k, live_n, K).to(WIDE)
+                y_up = tl.dot(h, tl.trans(w_up), y_up, input_precision="ieee")
+        at = out_ptr + m[:, None] * N + n[None, :]
+        live = live_m[:, None] & live_n[None, :]
+        if SILU:
+            y = _silu_mul(_round(y, dt), _round(y_up, dt), dt)
+        if ADD:
+            y += tl.load(at, mask=live, other=0.0).to(tl.float32)
+        tl.store(at, _round(y, dt).to(dt), mask=live)
+
+    @triton.jit
     def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, T, S, scaling, k_batch, k_head, k_slot,
                                v_batch, v_head, v_slot, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                                CHUNK: tl.constexpr, CHUNKS: tl.constexpr, WIDE: tl.constexpr):
@@ -259,27 +313,39 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multi
 _TL = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 CHUNK = 64  # keys a program of the attention takes
 ROWS = 4  # rows a GEMV program takes in turn (more rows go to more programs, which read the same weight tiles)
+DOT_ROWS = 16  # rows a program of the tl.dot variant takes at once (tl.dot's smallest dimension; never M's)
+DOT_BLOCK_K = 64  # the K chunk of the tl.dot variant (576 = 9 chunks: no padding for the embedded model)
 
 
 @dataclass(frozen=True)
 class GemvTiles:
     """How `norm_linear`, `norm_gate_up_silu` and `add_linear_` split a product. `rows` never changes a result's
-    bits; `block_n` and `warps` change the order of the sums, so they must not depend on M (the defaults depend on
-    the weight's shape and the device only)."""
+    bits; `block_n`, `warps`, `dot` and `block_k` change the order of the sums, so they must not depend on M (the
+    defaults depend on the weight's shape and the device only)."""
 
-    block_n: int | None = None  # outputs a program computes (None: 16, 8 or 4, the largest giving every SM one)
-    rows: int = ROWS  # rows a program takes in turn
-    warps: int | None = None  # warps a program runs (None: 4 for weight tiles of up to 4096 values, else 8)
+    block_n: int | None = None  # outputs a program computes (None: 16, 8 or 4, the largest giving every SM one;
+    #                             with dot: 16)
+    rows: int = ROWS  # rows a program takes in turn (the GEMV loop's only; dot takes DOT_ROWS at once)
+    warps: int | None = None  # warps a program runs (None: 4 for weight tiles of up to 4096 values, else 8; dot: 4)
+    dot: bool = False  # the tl.dot variant: DOT_ROWS rows a program at once on the tensor cores
+    block_k: int | None = None  # dot only: the K chunk its products take at a time (None: DOT_BLOCK_K)
 
     def __post_init__(self):
         if self.block_n is not None and (self.block_n < 1 or self.block_n & (self.block_n - 1)):
             raise ValueError(f"block_n must be a power of two, got {self.block_n}")
         if self.rows < 1:
             raise ValueError(f"rows must be positive, got {self.rows}")
+        if self.dot and self.block_n is not None and self.block_n < 16:
+            raise ValueError(f"tl.dot needs block_n >= 16, got {self.block_n}")
+        if self.block_k is not None and (not self.dot or self.block_k < 16 or self.block_k & (self.block_k - 1)):
+            raise ValueError(f"block_k is the dot variant's, a power of two >= 16; got {self.block_k} with dot="
+                             f"{self.dot}")
 
     def resolved(self, n_out: int, K: int, paired: bool, device: torch.device) -> "GemvTiles":
         """These tiles with the defaults filled in for n_out outputs over K inputs (paired: two weight rows each)."""
         # the interpreter runs its programs one after another: as if on one SM, the fewest programs
+        if self.dot:
+            return replace(self, block_n=self.block_n or 16, warps=self.warps or 4, block_k=self.block_k or DOT_BLOCK_K)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         block_n = self.block_n or next((b for b in (16, 8) if triton.cdiv(n_out, b) >= sms), 4)
         values = block_n * triton.next_power_of_2(K) * (2 if paired else 1)
@@ -377,7 +443,8 @@ def add_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, *,
 
 
 def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles, silu: bool = False, add: bool = False):
-    """`_gemv_kernel` over the rows of a [M, K] into out [M, N] (with silu N is half weight's rows)."""
+    """`_gemv_kernel` (or `_gemv_dot_kernel`: tiles.dot) over the rows of a [M, K] into out [M, N] (with silu N is
+    half weight's rows)."""
     if a.data_ptr() % 16:  # a fresh copy is aligned: a misaligned view would compile other layouts, other sums
         a = a.clone()
     M, K = a.shape
@@ -386,6 +453,13 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles, silu: bool 
                          f"{weight.stride()}")
     n_out = out.shape[1]
     tiles = tiles.resolved(n_out, K, silu, a.device)
+    if tiles.dot:
+        wide = tl.float32 if INTERPRETED else _TL[out.dtype]  # the interpreter's tl.dot: float32 (exact for bf16)
+        _gemv_dot_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, DOT_ROWS))](
+            a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, eps, K=K,
+            NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            ROWS_BLOCK=DOT_ROWS, WIDE=wide, num_warps=tiles.warps)
+        return out
     grid = (triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))
     _gemv_kernel[grid](a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, K, eps, tiles.rows,
                        NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n,

@@ -188,24 +188,29 @@ def close(got, want, dtype) -> bool:
     return torch.allclose(got.float(), want.float(), rtol=tol, atol=2 * tol)
 
 
+DOT = layer_ops.GemvTiles(dot=True)
+
+
+@pytest.mark.parametrize("tiles", [layer_ops.GemvTiles(), DOT], ids=["loop", "dot"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M,K,N", [(5, 96, 42), (3, 576, 40), (2, 1536, 24)],
                          ids=["irregular", "hidden-576", "intermediate-1536"])
-def test_the_fused_products_are_the_torch_ops_within_a_rounding(device, dtype, M, K, N):
+def test_the_fused_products_are_the_torch_ops_within_a_rounding(device, dtype, M, K, N, tiles):
     x, norm, weight, a = product_inputs(M, K, N, dtype, device)
     eps = 1e-5
     want = layer_ops.norm_linear_torch(x, norm, eps, weight)
-    got = layer_ops.norm_linear(x, norm, eps, weight)
+    got = layer_ops.norm_linear(x, norm, eps, weight, tiles=tiles)
     assert got.shape == (M, N) and got.dtype == dtype and close(got, want, dtype)
     assert not close(got, torch.nn.functional.linear(x, weight), dtype)  # the norm matters
     assert not close(got, layer_ops.norm_linear_torch(x, norm.flip(0), eps, weight), dtype)  # and its weight
     want = layer_ops.norm_gate_up_silu_torch(x, norm, eps, weight)  # gate rows 0..N/2-1, up rows N/2..N-1
-    got = layer_ops.norm_gate_up_silu(x, norm, eps, weight)
+    got = layer_ops.norm_gate_up_silu(x, norm, eps, weight, tiles=tiles)
     assert got.shape == (M, N // 2) and close(got, want, dtype)
     assert not close(got, layer_ops.norm_gate_up_silu_torch(x, norm, eps, weight.roll(N // 2, 0)), dtype)
     residual = x.clone()
     want = layer_ops.add_linear_torch_(x.clone(), a, weight.t().contiguous())
-    assert layer_ops.add_linear_(residual, a, weight.t().contiguous()) is residual and close(residual, want, dtype)
+    assert layer_ops.add_linear_(residual, a, weight.t().contiguous(), tiles=tiles) is residual
+    assert close(residual, want, dtype)
     assert not close(residual, a @ weight, dtype)  # the residual is added
 
 
@@ -230,3 +235,30 @@ def test_a_rows_fused_products_do_not_depend_on_the_other_rows(device, dtype):
         assert close(every, product(slice(None)), dtype)  # another order of sums
         for m in (0, 5, 10):
             assert torch.equal(product(slice(m, m + 1), tiles=narrow), every[m:m + 1]), (name, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_dot_variants_rows_do_not_depend_on_m_or_their_neighbours(device, dtype):
+    """The tl.dot variant: rows computed alone (M = 1, 15 masked rows beside them), among 11, and among 17 (two row
+    blocks): the same bits; and within a rounding of the GEMV loop (another order of sums)."""
+    x, norm, weight, a = product_inputs(17, 576, 48, dtype, device, seed=8)
+    down = (weight[:, :40].t() / 2).contiguous()  # [40, 48]: x[:, :40] += a @ down.T
+    products = {
+        "norm_linear": lambda rows, **kw: layer_ops.norm_linear(x[rows], norm, 1e-5, weight, **kw),
+        "norm_gate_up_silu": lambda rows, **kw: layer_ops.norm_gate_up_silu(x[rows], norm, 1e-5, weight, **kw),
+        "add_linear_": lambda rows, **kw: layer_ops.add_linear_(x[rows, :40].contiguous(), a[rows], down, **kw),
+    }
+    for name, product in products.items():
+        every = product(slice(None), tiles=DOT)
+        assert close(every, product(slice(None)), dtype), name
+        assert torch.equal(product(slice(0, 11), tiles=DOT), every[:11]), name
+        assert torch.equal(product(slice(6, 17), tiles=DOT), every[6:]), name  # rows 6.. at other places
+        for m in (0, 5, 10, 16):
+            assert torch.equal(product(slice(m, m + 1), tiles=DOT), every[m:m + 1]), (name, m)
+
+
+def test_the_dot_variant_refuses_tiles_tl_dot_cannot_take():
+    with pytest.raises(ValueError, match="block_n >= 16"):
+        layer_ops.GemvTiles(dot=True, block_n=8)
+    with pytest.raises(ValueError, match="block_k"):
+        layer_ops.GemvTiles(block_k=64)
