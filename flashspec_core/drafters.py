@@ -214,6 +214,7 @@ class CopyDrafter(Drafter):
 
     model_free = True
     sets_length = True
+    session = ("odds", "_memo")
 
     def __init__(self, device="cpu", depth: int = 16, max_draft: int = MAX_GAMMA):
         super().__init__(device)
@@ -259,8 +260,6 @@ class CopyDrafter(Drafter):
             if not hit:
                 break
         self.index.extend(new)
-
-    session = ("odds", "_memo")
 
     def reset_session(self):
         self.odds = CopyOdds()
