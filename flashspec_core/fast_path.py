@@ -701,13 +701,10 @@ LAYER_OPS = {"torch": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_
                                       rms_norm=layer_ops_kernels.rms_norm_torch),
              "triton": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache,
                                        attention=layer_ops_kernels.attention,
-                                       silu_mul=layer_ops_kernels.silu_mul, rms_norm=layer_ops_kernels.rms_norm),
-             "fused": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache,
-                                      attention=layer_ops_kernels.attention,
-                                      silu_mul=layer_ops_kernels.silu_mul, rms_norm=layer_ops_kernels.rms_norm,
-                                      norm_linear=layer_ops_kernels.norm_linear,
-                                      norm_gate_up_silu=layer_ops_kernels.norm_gate_up_silu,
-                                      add_linear_=layer_ops_kernels.add_linear_)}
+                                       silu_mul=layer_ops_kernels.silu_mul, rms_norm=layer_ops_kernels.rms_norm)}
+LAYER_OPS["fused"] = SimpleNamespace(**vars(LAYER_OPS["triton"]), norm_linear=layer_ops_kernels.norm_linear,
+                                     norm_gate_up_silu=layer_ops_kernels.norm_gate_up_silu,
+                                     add_linear_=layer_ops_kernels.add_linear_)
 
 
 class _Projection:
