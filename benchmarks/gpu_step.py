@@ -11,7 +11,8 @@ forward launches (count, and the slowest names by total time), then the compiled
 `--layer-ops triton` measures the step with `kernels.layer_ops` (one row per choice, the same weights); `fused`
 with its GEMV products. `--products` then times each projection of the layer (and the LM head) alone at M = 1, 8
 and 17 rows: cuBLAS's product, the "triton" loop's ops for the same job (RMSNorm kernel + cuBLAS, + silu_mul), and
-the fused GEMV kernel under its default tiles and a few others, its tl.dot variant (16 rows a program) among them
+the fused GEMV kernel under its default tiles and a few others, its block variants (8 rows a program at once in
+registers, or 16 on the tensor cores) among them
 (each a CUDA graph of 100 calls, median replay / 100),
 with each fused row's largest difference from the "triton" ops and whether its M rows equal the rows alone bit for
 bit. Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
@@ -39,7 +40,7 @@ PRODUCTS = {  # name: (K, weight rows N, kind)
     "gate_up": (HIDDEN, 2 * INTERMEDIATE, "norm_gate_up_silu"), "down": (INTERMEDIATE, HIDDEN, "add_linear_"),
     "lm_head": (HIDDEN, VOCAB, "norm_linear"),
 }
-PRODUCT_ROWS = (1, 8, 17)  # one token, a verify of 8, the widest verify (17: two of the dot variant's row blocks)
+PRODUCT_ROWS = (1, 8, 17)  # one token, a verify of 8, the widest verify (17: three of the block variant's row blocks)
 
 
 SHAPES = {  # --shape: the embedded model's, and a 1.1B Llama's (TinyLlama-1.1B's sizes) for the weight floor
@@ -184,10 +185,13 @@ def tile_choices(M: int):
         yield layer_ops.GemvTiles(warps=warps)
     for rows in ((1, 2, 8) if M > 1 else ()):
         yield layer_ops.GemvTiles(rows=rows)
-    yield layer_ops.GemvTiles(dot=True)  # the tl.dot variant: 16 rows a program at once, whatever M
-    yield layer_ops.GemvTiles(dot=True, block_n=32)
-    yield layer_ops.GemvTiles(dot=True, block_k=128)
-    yield layer_ops.GemvTiles(dot=True, warps=8)
+    # the block variants: a fixed number of rows a program at once, whatever M (registers, or tl.dot's 16)
+    yield layer_ops.GemvTiles(kind="block")
+    for block_rows, block_n, block_k, warps in ((4, 4, 64, 4), (8, 8, 64, 4), (8, 4, 128, 4), (8, 4, 64, 2),
+                                                (8, 4, 64, 8), (16, 4, 64, 4), (8, 2, 64, 4)):
+        yield layer_ops.GemvTiles(kind="block", block_rows=block_rows, block_n=block_n, block_k=block_k, warps=warps)
+    yield layer_ops.GemvTiles(kind="dot")
+    yield layer_ops.GemvTiles(kind="dot", block_k=128)
 
 
 def resolve(name: str, tiles):
@@ -244,27 +248,26 @@ def products(write_rows) -> list[dict]:
 
 
 def print_products(rows: list[dict]) -> None:
-    print("\n| product | M | op | block_n | rows | warps | dot block_k | us | x cuBLAS | max diff vs triton | "
-          "rows = alone |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("\n| product | M | op | kind | block_n | rows (loop) / at once | warps | block_k | us | x cuBLAS | "
+          "max diff vs triton | rows = alone |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     base = {(r["product"], r["M"]): r.get("us") for r in rows if r["op"] == "cublas"}
     for r in rows:
         if "error" in r:
-            print(f"| {r['product']} | {r['M']} | {r['op']} | | | | | failed: {r['error']} | | | |")
+            print(f"| {r['product']} | {r['M']} | {r['op']} | | | | | | failed: {r['error']} | | | |")
             continue
         t, cublas = r.get("tiles", {}), base.get((r["product"], r["M"]))
         ratio = f"{r['us'] / cublas:.2f}" if cublas else "-"
-        dot = t.get("block_k") if t.get("dot") else ""
-        loop_rows = "" if t.get("dot") else t.get("rows", "")
-        print(f"| {r['product']} | {r['M']} | {r['op']} | {t.get('block_n', '')} | {loop_rows} | "
-              f"{t.get('warps', '')} | {dot} | {r['us']:.2f} | {ratio} | {r.get('max_diff_vs_triton', '')} | "
-              f"{r.get('rows_equal_alone', '')} |")
+        rows_ = t.get("rows", "") if t.get("kind") == "loop" else t.get("block_rows", "")
+        print(f"| {r['product']} | {r['M']} | {r['op']} | {t.get('kind', '')} | {t.get('block_n', '')} | {rows_} | "
+              f"{t.get('warps', '')} | {t.get('block_k') or ''} | {r['us']:.2f} | {ratio} | "
+              f"{r.get('max_diff_vs_triton', '')} | {r.get('rows_equal_alone', '')} |")
 
 
-def write(rows: list[dict], argv, product_rows: list[dict] | None = None) -> None:
+def write(rows: list[dict], args, argv, product_rows: list[dict] | None = None) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    shape = next((r["shape"] for r in rows if r.get("shape", "smollm2-135m") != "smollm2-135m"), None)
-    out = RESULTS / f"gpu_step_{torch.cuda.get_device_name().replace(' ', '-').lower()}{'_' + shape if shape else ''}.json"
+    suffix = "".join(f"_{part}" for part in (args.shape if args.shape != "smollm2-135m" else "", args.tag) if part)
+    out = RESULTS / f"gpu_step_{torch.cuda.get_device_name().replace(' ', '-').lower()}{suffix}.json"
     command = "python -m benchmarks.gpu_step " + " ".join(sys.argv[1:] if argv is None else argv)
     data = {"command": command, "env": environment(), "rows": rows}
     if product_rows is not None:
@@ -276,8 +279,10 @@ def step_rows(args, argv) -> list[dict]:
     """The step's rows, one per (layer ops, token count); a failure becomes the row's "error"."""
     rows, first = [], {}
     for ops in args.layer_ops:
+        name, _, kind = ops.partition(":")  # fused:block = the fused products of that GEMV kind
+        layer_ops.GEMV_KIND = kind or "loop"
         try:
-            lm = build(layer_ops=ops, shape=args.shape)
+            lm = build(layer_ops=name, shape=args.shape)
         except Exception as e:  # noqa: BLE001 - the other choices still run
             rows.append({"layer_ops": ops, "error": f"{type(e).__name__}: {e}"[:300]})
             continue
@@ -291,7 +296,7 @@ def step_rows(args, argv) -> list[dict]:
             except Exception as e:  # noqa: BLE001
                 row = {"layer_ops": ops, "tokens": T, "error": f"{type(e).__name__}: {e}"[:300]}
             rows.append(row)
-            write(rows, argv)  # after each row: a later failure keeps what was measured
+            write(rows, args, argv)  # after each row: a later failure keeps what was measured
         del lm
     return rows
 
@@ -324,8 +329,10 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--compile-tokens", type=int, nargs="*", default=[1], help="token counts also compiled")
-    ap.add_argument("--layer-ops", nargs="*", default=["torch"], choices=["torch", "triton", "fused"],
-                    help="the step under each choice (none: no step rows)")
+    ap.add_argument("--layer-ops", nargs="*", default=["torch"],
+                    choices=["torch", "triton", "fused", *(f"fused:{k}" for k in layer_ops.KINDS)],
+                    help="the step under each choice (none: no step rows; fused:KIND, the products of that GEMV kind)")
+    ap.add_argument("--tag", default="", help="a suffix for the results file")
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES),
                     help="random weights of this shape for the step rows (the products are the embedded model's)")
     ap.add_argument("--products", action="store_true",
@@ -337,7 +344,7 @@ def main(argv=None) -> int:
     rows = step_rows(args, argv)
     print_steps(rows)
     if args.products:
-        print_products(products(lambda product_rows: write(rows, argv, product_rows)))
+        print_products(products(lambda product_rows: write(rows, args, argv, product_rows)))
     return 0
 
 

@@ -64,7 +64,8 @@ def environment() -> dict:
     return {"machine": cpu, "threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit,
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "load_average": list(os.getloadavg()), "layer_ops": os.environ.get("FLASHSPEC_LAYER_OPS", "auto")}
+            "load_average": list(os.getloadavg()), "layer_ops": os.environ.get("FLASHSPEC_LAYER_OPS", "auto"),
+            "gemv": os.environ.get("FLASHSPEC_GEMV", "loop")}
 
 
 def run_engine(engine: Engine, prompt: str, max_new: int, seed: int, sampling: SamplingConfig = GREEDY,

@@ -215,17 +215,24 @@ if triton is not None:
         """Rows r, columns k of a row-major [*, K] tensor (zeros where r or k is out of range), in its dtype."""
         return tl.load(ptr + r[:, None] * K + k[None, :], mask=live_r[:, None] & (k < K)[None, :], other=0.0)
 
+    @triton.jit
+    def _chunk_product(y, h, w, DOT: tl.constexpr, WIDE: tl.constexpr):
+        """y [rows, n] += h [rows, k] @ w [n, k].T for one K chunk: on the tensor cores (DOT, float32 sums), or as a
+        [rows, n, k] tile of products summed over k (tl.sum: each output's order set by the shapes alone)."""
+        if DOT:
+            return tl.dot(h.to(WIDE), tl.trans(w.to(WIDE)), y, input_precision="ieee")
+        return y + tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
     @triton.jit(do_not_specialize=["M"])
-    def _gemv_dot_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, K: tl.constexpr, NORM: tl.constexpr,
-                         SILU: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         ROWS_BLOCK: tl.constexpr, WIDE: tl.constexpr):
-        """`_gemv_kernel`'s job on the tensor cores: one program per (BLOCK_N outputs, ROWS_BLOCK rows), all its rows
-        at once, out[rows, n] = h[rows, :K] @ w[n, :K].T as tl.dot over K in BLOCK_K chunks (unrolled, float32
-        sums). With NORM a first pass sums each row's squares (the chunks are read again for the product). The
-        roundings are `_gemv_kernel`'s: h rounded to out's dtype before the product, g and u rounded before silu,
-        x added before the one rounding. Rows past M are zeros and never stored; ROWS_BLOCK is fixed and M is not
-        specialised on, so a row's bits do not depend on M or on the rows beside it (tl.dot sums each output over
-        its own row and column, in an order set by the shapes alone)."""
+    def _gemv_block_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, K: tl.constexpr, NORM: tl.constexpr,
+                           SILU: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           ROWS_BLOCK: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr):
+        """`_gemv_kernel`'s job with a program's rows all at once: one program per (BLOCK_N outputs, ROWS_BLOCK rows),
+        out[rows, n] = h[rows, :K] @ w[n, :K].T over K in BLOCK_K chunks (unrolled, float32 sums; `_chunk_product`).
+        With NORM a first pass sums each row's squares (the chunks are read again for the product). The roundings
+        are `_gemv_kernel`'s: h rounded to out's dtype before the product, g and u rounded before silu, x added
+        before the one rounding. Rows past M are zeros and never stored; ROWS_BLOCK is fixed and M is not
+        specialised on, so a row's bits do not depend on M or on the rows beside it."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1) * ROWS_BLOCK + tl.arange(0, ROWS_BLOCK)
         live_n, live_m = n < N, m < M
@@ -246,12 +253,10 @@ if triton is not None:
             if NORM:
                 norm = tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32)
                 h = _scaled(h, scale[:, None], norm[None, :], dt)
-            h = h.to(dt).to(WIDE)  # exact: h holds dt's values
-            w = _block(w_ptr, n, k, live_n, K).to(WIDE)
-            y = tl.dot(h, tl.trans(w), y, input_precision="ieee")
+            h = h.to(dt)  # the product reads h at out's dtype
+            y = _chunk_product(y, h, _block(w_ptr, n, k, live_n, K), DOT, WIDE)
             if SILU:
-                w_up = _block(w_ptr + N * K, n, k, live_n, K).to(WIDE)
-                y_up = tl.dot(h, tl.trans(w_up), y_up, input_precision="ieee")
+                y_up = _chunk_product(y_up, h, _block(w_ptr + N * K, n, k, live_n, K), DOT, WIDE)
         at = out_ptr + m[:, None] * N + n[None, :]
         live = live_m[:, None] & live_n[None, :]
         if SILU:
@@ -313,39 +318,48 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multi
 _TL = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 CHUNK = 64  # keys a program of the attention takes
 ROWS = 4  # rows a GEMV program takes in turn (more rows go to more programs, which read the same weight tiles)
-DOT_ROWS = 16  # rows a program of the tl.dot variant takes at once (tl.dot's smallest dimension; never M's)
-DOT_BLOCK_K = 64  # the K chunk of the tl.dot variant (576 = 9 chunks: no padding for the embedded model)
+KINDS = ("loop", "block", "dot")  # the GEMV variants (GemvTiles.kind)
+BLOCK_ROWS = {"block": 8, "dot": 16}  # rows a program of the block variants takes at once (never M's; tl.dot: >= 16)
+BLOCK_K = 64  # the K chunk of the block variants (576 = 9 chunks: no padding for the embedded model)
+GEMV_KIND = os.environ.get("FLASHSPEC_GEMV", "loop")  # the products' kind by default (GemvTiles.kind; A/B runs)
 
 
 @dataclass(frozen=True)
 class GemvTiles:
     """How `norm_linear`, `norm_gate_up_silu` and `add_linear_` split a product. `rows` never changes a result's
-    bits; `block_n`, `warps`, `dot` and `block_k` change the order of the sums, so they must not depend on M (the
-    defaults depend on the weight's shape and the device only)."""
+    bits; `kind`, `block_n`, `warps`, `block_rows` and `block_k` change the order of the sums, so they must not
+    depend on M (the defaults depend on the weight's shape and the device only). Kinds: "loop" takes a program's
+    rows in turn, each over its whole weight tile; "block" takes `block_rows` rows at once, K in chunks, products
+    summed in registers; "dot" the same on the tensor cores."""
 
-    block_n: int | None = None  # outputs a program computes (None: 16, 8 or 4, the largest giving every SM one;
-    #                             with dot: 16)
-    rows: int = ROWS  # rows a program takes in turn (the GEMV loop's only; dot takes DOT_ROWS at once)
-    warps: int | None = None  # warps a program runs (None: 4 for weight tiles of up to 4096 values, else 8; dot: 4)
-    dot: bool = False  # the tl.dot variant: DOT_ROWS rows a program at once on the tensor cores
-    block_k: int | None = None  # dot only: the K chunk its products take at a time (None: DOT_BLOCK_K)
+    kind: str = "loop"
+    block_n: int | None = None  # outputs a program computes (None: loop 16, 8 or 4, the largest giving every SM one;
+    #                             block 4; dot 16)
+    rows: int = ROWS  # rows a program takes in turn (the loop's only)
+    warps: int | None = None  # warps a program runs (None: 4, or 8 for loop tiles of over 4096 values)
+    block_rows: int | None = None  # the block variants' rows at once (None: BLOCK_ROWS[kind])
+    block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K)
 
     def __post_init__(self):
-        if self.block_n is not None and (self.block_n < 1 or self.block_n & (self.block_n - 1)):
-            raise ValueError(f"block_n must be a power of two, got {self.block_n}")
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        for name in ("block_n", "block_rows", "block_k"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or value & (value - 1)):
+                raise ValueError(f"{name} must be a power of two, got {value}")
         if self.rows < 1:
             raise ValueError(f"rows must be positive, got {self.rows}")
-        if self.dot and self.block_n is not None and self.block_n < 16:
-            raise ValueError(f"tl.dot needs block_n >= 16, got {self.block_n}")
-        if self.block_k is not None and (not self.dot or self.block_k < 16 or self.block_k & (self.block_k - 1)):
-            raise ValueError(f"block_k is the dot variant's, a power of two >= 16; got {self.block_k} with dot="
-                             f"{self.dot}")
+        if self.kind == "dot" and min(self.block_n or 16, self.block_rows or 16, self.block_k or 16) < 16:
+            raise ValueError(f"tl.dot needs blocks of at least 16, got {self}")
+        if self.kind == "loop" and (self.block_k or self.block_rows):
+            raise ValueError(f"block_k and block_rows are the block variants', not the loop's: {self}")
 
     def resolved(self, n_out: int, K: int, paired: bool, device: torch.device) -> "GemvTiles":
         """These tiles with the defaults filled in for n_out outputs over K inputs (paired: two weight rows each)."""
+        if self.kind != "loop":
+            return replace(self, block_n=self.block_n or (16 if self.kind == "dot" else 4), warps=self.warps or 4,
+                           block_rows=self.block_rows or BLOCK_ROWS[self.kind], block_k=self.block_k or BLOCK_K)
         # the interpreter runs its programs one after another: as if on one SM, the fewest programs
-        if self.dot:
-            return replace(self, block_n=self.block_n or 16, warps=self.warps or 4, block_k=self.block_k or DOT_BLOCK_K)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         block_n = self.block_n or next((b for b in (16, 8) if triton.cdiv(n_out, b) >= sms), 4)
         values = block_n * triton.next_power_of_2(K) * (2 if paired else 1)
@@ -413,7 +427,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
-                tiles: GemvTiles = GemvTiles()) -> torch.Tensor:
+                tiles: GemvTiles | None = None) -> torch.Tensor:
     """`norm_linear_torch` in one kernel: every program normalises the row itself (no bias)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # a copy only for strided rows (the LM head's kept rows)
     out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
@@ -422,7 +436,7 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
 
 
 def norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,
-                      tiles: GemvTiles = GemvTiles()) -> torch.Tensor:
+                      tiles: GemvTiles | None = None) -> torch.Tensor:
     """`norm_gate_up_silu_torch` in one kernel (no bias): a program computes gate rows j and up rows I + j from the
     same normalised row. It rounds where the "triton" loop does: g and u, float32 sums, each rounded to x's dtype
     (cuBLAS's bfloat16 output), then silu(g) rounded and silu(g) * u rounded (`silu_mul`'s two roundings)."""
@@ -433,7 +447,7 @@ def norm_gate_up_silu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, we
 
 
 def add_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, *,
-                tiles: GemvTiles = GemvTiles()) -> torch.Tensor:
+                tiles: GemvTiles | None = None) -> torch.Tensor:
     """`add_linear_torch_` in one kernel: x [M, N] (contiguous) += a [M, K] @ weight.T, x added to the float32 sums
     before the one rounding (no bias)."""
     if x.dim() != 2 or not x.is_contiguous() or a.shape[0] != x.shape[0] or weight.shape[0] != x.shape[1]:
@@ -442,9 +456,9 @@ def add_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, *,
     return _gemv(a.contiguous(), None, 0.0, weight, x, tiles, add=True)
 
 
-def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles, silu: bool = False, add: bool = False):
-    """`_gemv_kernel` (or `_gemv_dot_kernel`: tiles.dot) over the rows of a [M, K] into out [M, N] (with silu N is
-    half weight's rows)."""
+def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu: bool = False, add: bool = False):
+    """`_gemv_kernel` (or `_gemv_block_kernel`: tiles.kind "block" or "dot"; None: GEMV_KIND's defaults) over the
+    rows of a [M, K] into out [M, N] (with silu N is half weight's rows)."""
     if a.data_ptr() % 16:  # a fresh copy is aligned: a misaligned view would compile other layouts, other sums
         a = a.clone()
     M, K = a.shape
@@ -452,13 +466,13 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles, silu: bool 
         raise ValueError(f"the GEMV needs a contiguous weight [N, {K}], got {tuple(weight.shape)} with strides "
                          f"{weight.stride()}")
     n_out = out.shape[1]
-    tiles = tiles.resolved(n_out, K, silu, a.device)
-    if tiles.dot:
+    tiles = (tiles or GemvTiles(kind=GEMV_KIND)).resolved(n_out, K, silu, a.device)
+    if tiles.kind != "loop":
         wide = tl.float32 if INTERPRETED else _TL[out.dtype]  # the interpreter's tl.dot: float32 (exact for bf16)
-        _gemv_dot_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, DOT_ROWS))](
+        _gemv_block_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.block_rows))](
             a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, eps, K=K,
             NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            ROWS_BLOCK=DOT_ROWS, WIDE=wide, num_warps=tiles.warps)
+            ROWS_BLOCK=tiles.block_rows, DOT=tiles.kind == "dot", WIDE=wide, num_warps=tiles.warps)
         return out
     grid = (triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))
     _gemv_kernel[grid](a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, K, eps, tiles.rows,

@@ -102,12 +102,14 @@ def test_the_model_with_the_kernels_gives_the_torch_ops_logits_and_greedy_tokens
         assert torch.equal(runs[ops].argmax(-1), runs["torch"].argmax(-1))
 
 
+@pytest.mark.parametrize("kind", ["loop", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_verify_on_the_fused_products_is_one_token_steps_bit_for_bit(device, dtype):
+def test_a_verify_on_the_fused_products_is_one_token_steps_bit_for_bit(device, dtype, kind, monkeypatch):
     """5 tokens in one forward give the logits and hidden states of 5 one-token steps, bit for bit: what keeps
-    greedy speculative decoding equal to plain decoding."""
+    greedy speculative decoding equal to plain decoding (under either GEMV kind the products run by default)."""
     from flashspec_core.fast_path import StaticCausalLM
 
+    monkeypatch.setattr(layer_ops, "GEMV_KIND", kind)
     lm = StaticCausalLM(tiny_model(device, dtype), max_len=64, use_graphs=False, layer_ops="fused")
     lm.aux_layers = (0, 1)
     g = torch.Generator(device=device).manual_seed(7)
@@ -188,10 +190,10 @@ def close(got, want, dtype) -> bool:
     return torch.allclose(got.float(), want.float(), rtol=tol, atol=2 * tol)
 
 
-DOT = layer_ops.GemvTiles(dot=True)
+BLOCKS = {kind: layer_ops.GemvTiles(kind=kind) for kind in ("block", "dot")}
 
 
-@pytest.mark.parametrize("tiles", [layer_ops.GemvTiles(), DOT], ids=["loop", "dot"])
+@pytest.mark.parametrize("tiles", [layer_ops.GemvTiles(), *BLOCKS.values()], ids=["loop", *BLOCKS])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M,K,N", [(5, 96, 42), (3, 576, 40), (2, 1536, 24)],
                          ids=["irregular", "hidden-576", "intermediate-1536"])
@@ -237,10 +239,12 @@ def test_a_rows_fused_products_do_not_depend_on_the_other_rows(device, dtype):
             assert torch.equal(product(slice(m, m + 1), tiles=narrow), every[m:m + 1]), (name, m)
 
 
+@pytest.mark.parametrize("kind", list(BLOCKS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_dot_variants_rows_do_not_depend_on_m_or_their_neighbours(device, dtype):
-    """The tl.dot variant: rows computed alone (M = 1, 15 masked rows beside them), among 11, and among 17 (two row
-    blocks): the same bits; and within a rounding of the GEMV loop (another order of sums)."""
+def test_the_block_variants_rows_do_not_depend_on_m_or_their_neighbours(device, dtype, kind):
+    """The block variants (8 rows a program at once; tl.dot: 16): rows computed alone (M = 1, masked rows beside
+    them), among 11, and among 17 (two or three row blocks): the same bits; and within a rounding of the GEMV loop
+    (another order of sums)."""
     x, norm, weight, a = product_inputs(17, 576, 48, dtype, device, seed=8)
     down = (weight[:, :40].t() / 2).contiguous()  # [40, 48]: x[:, :40] += a @ down.T
     products = {
@@ -248,17 +252,22 @@ def test_the_dot_variants_rows_do_not_depend_on_m_or_their_neighbours(device, dt
         "norm_gate_up_silu": lambda rows, **kw: layer_ops.norm_gate_up_silu(x[rows], norm, 1e-5, weight, **kw),
         "add_linear_": lambda rows, **kw: layer_ops.add_linear_(x[rows, :40].contiguous(), a[rows], down, **kw),
     }
+    tiles = BLOCKS[kind]
     for name, product in products.items():
-        every = product(slice(None), tiles=DOT)
+        every = product(slice(None), tiles=tiles)
         assert close(every, product(slice(None)), dtype), name
-        assert torch.equal(product(slice(0, 11), tiles=DOT), every[:11]), name
-        assert torch.equal(product(slice(6, 17), tiles=DOT), every[6:]), name  # rows 6.. at other places
+        assert torch.equal(product(slice(0, 11), tiles=tiles), every[:11]), name
+        assert torch.equal(product(slice(6, 17), tiles=tiles), every[6:]), name  # rows 6.. at other places
         for m in (0, 5, 10, 16):
-            assert torch.equal(product(slice(m, m + 1), tiles=DOT), every[m:m + 1]), (name, m)
+            assert torch.equal(product(slice(m, m + 1), tiles=tiles), every[m:m + 1]), (name, m)
 
 
-def test_the_dot_variant_refuses_tiles_tl_dot_cannot_take():
-    with pytest.raises(ValueError, match="block_n >= 16"):
-        layer_ops.GemvTiles(dot=True, block_n=8)
-    with pytest.raises(ValueError, match="block_k"):
+def test_the_gemv_tiles_refuse_what_their_kernels_cannot_take():
+    with pytest.raises(ValueError, match="at least 16"):
+        layer_ops.GemvTiles(kind="dot", block_n=8)
+    with pytest.raises(ValueError, match="block variants"):
         layer_ops.GemvTiles(block_k=64)
+    with pytest.raises(ValueError, match="power of two"):
+        layer_ops.GemvTiles(kind="block", block_rows=6)
+    with pytest.raises(ValueError, match="kind must be"):
+        layer_ops.GemvTiles(kind="tiles")
