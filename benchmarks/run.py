@@ -154,7 +154,8 @@ def parse_args(argv=None):
     ap.add_argument("--gamma", default="auto")
     ap.add_argument("--only", nargs="*", help="prompt kinds to run (default: all)")
     ap.add_argument("--prompt-set", default="examples", choices=sorted(PROMPT_SETS), help="the app's examples or the hand-written open requests")
-    ap.add_argument("--configs", nargs="*", help="engine rows to run, e.g. plain bandit fixed:draft_head (default: all)")
+    ap.add_argument("--configs", nargs="*", help="engine rows to run, e.g. plain bandit fixed:draft_head (default: all); "
+                    "bandit:STRATEGY runs the bandit under that strategy (named ones only)")
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate() rows")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", help="auto = float32 on the CPU, bfloat16 on CUDA")
@@ -188,7 +189,9 @@ def engine_configs(engine: Engine, args) -> list[tuple[str, dict]]:
     drafters = [n for n in engine.drafters if n != "no_draft"]
     configs = [("plain", dict(mode="plain")), ("bandit", dict(gamma=args.gamma))]
     configs += [(f"fixed:{d}", dict(gamma=args.gamma, drafters=[d])) for d in drafters]
-    return [c for c in configs if not args.configs or c[0] in args.configs or c[0] == "plain"]
+    configs = [c for c in configs if not args.configs or c[0] in args.configs or c[0] == "plain"]
+    strategies = [c.split(":", 1)[1] for c in args.configs or () if c.startswith("bandit:")]  # named ones only
+    return configs + [(f"bandit:{st}", dict(gamma=args.gamma, bandit=st)) for st in strategies]
 
 
 def run_rows(engine: Engine, float32, prompts: list[dict], peers: dict, args) -> list[dict]:
