@@ -2,11 +2,9 @@
 
 Strategies: "ucb1" (Auer et al. 2002; by default its variance-aware "UCB1-Tuned" index from the same paper,
 which explores far less when rewards are steady, as tok/s rewards are), "thompson" (Beta posteriors with fractional rewards, Agrawal & Goyal
-2012), "window" (sliding-window UCB, Garivier & Moulines 2011: only the last `window` observations
-count, so the bandit follows content that drifts) and "contextual" (UCB1's index; the engine's policy asks it to
-leave out the copy drafters, which it weighs itself by what they find to copy at each round's context).
-Observations may be counterfactual (an arm scored without being pulled); they update the estimates but not the
-pull counts.
+2012) and "window" (sliding-window UCB, Garivier & Moulines 2011: only the last `window` observations
+count, so the bandit follows content that drifts). Observations may be counterfactual (an arm scored
+without being pulled); they update the estimates but not the pull counts.
 """
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-STRATEGIES = ("ucb1", "thompson", "window", "contextual")
+STRATEGIES = ("ucb1", "thompson", "window")
 
 
 @dataclass(frozen=True)
@@ -47,16 +45,9 @@ class Bandit:
         self.draws = {a: 0.0 for a in arms}  # last Thompson sample
 
     # -- the two calls the engine makes ------------------------------------------------------------
-    def select(self, exclude=()) -> str:
-        """The best-scoring arm, leaving out those in `exclude` (all of them: every arm counts)."""
+    def select(self) -> str:
         scores = self._scores(sample=True)
-        arms = [a for a in self.arms if a not in exclude] or self.arms
-        return max(arms, key=lambda a: (scores[a], -self.arms.index(a)))
-
-    def mean(self, arm: str) -> float:
-        """The arm's mean reward over its counted observations (0 before any)."""
-        counts, sums, _ = self._stats()
-        return sums[arm] / counts[arm] if counts[arm] else 0.0
+        return max(self.arms, key=lambda a: (scores[a], -self.arms.index(a)))
 
     def update(self, arm: str, reward: float, pulled: bool = True) -> None:
         if arm not in self.count:

@@ -307,30 +307,13 @@ class CopyDrafter(Drafter):
     def _length(self, length: int, split: bool, available: int) -> int:
         """How many of the available tokens to propose after a match of `length` tokens: the K in 0..available with
         the most expected tokens per second, each accepted token lengthening the match for the next."""
-        return best_length(self._survival(length, split, available), self.costs)
-
-    def _survival(self, length: int, split: bool, available: int) -> list[float]:
-        """The chance that the first j of the available copied tokens are all accepted, j = 1, 2, ..."""
         survival, p = [], 1.0
         for j in range(available if length else 0):
             p *= self.odds.chance(match_bucket(length + j, split and j == 0))
             if p < 1e-3:  # later tokens add nothing that could pay for verifying them
                 break
             survival.append(p)
-        return survival
-
-    def expected(self, row, k: int) -> tuple[int, float]:
-        """(K, expected tokens) of a round this drafter would run at `row`'s end: its draft's length and 1 plus the
-        chances that each of its first 1..K tokens is reached and accepted (the target's token always comes)."""
-        K = len(self.propose_ids(row, k))
-        if not K:
-            return 0, 1.0
-        if self._position(row) is None:  # a row off the indexed path (propose_ids drafted it from a fresh search)
-            length, _, node, index = self._find(row)
-            split = len(index.kids[node]) > 1
-        else:
-            _, length, split = self._draft_at(self._stream0 + len(row) - self._row0)
-        return K, 1.0 + sum(self._survival(length, split, K))
+        return best_length(survival, self.costs)
 
 
 def copy_prior(bucket: int, split: bool) -> float:

@@ -335,8 +335,6 @@ class Engine:
         out = self.round.land(s.rows, turn.launched, first=self.drafters[ahead.arm])
         emitted = s.rows[0][len(before):]
         if not self.events.finish(emitted, s.produced, s.max_new_tokens)[0]:
-            arm = ahead.arm if ahead.launched else self.policy.recheck(s, ahead.arm)  # a copy round: still worth it?
-            ahead = ahead if arm == ahead.arm else Turn(arm)
             self._launch(s, ahead, uncounted=len(emitted))
         self.round.settle()
         return Played(turn.arm, turn.limit, before, emitted, out), ahead

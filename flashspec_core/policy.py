@@ -10,8 +10,7 @@ from dataclasses import replace
 
 from flashspec_core.bandit import speed_reward
 from flashspec_core.drafters import Drafter, NoDraft
-from flashspec_core.gamma import (MAX_AUTO_GAMMA, CostModel, DraftCost, best_gamma, best_tree_nodes,
-                                  expected_tokens)
+from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost, best_gamma, best_tree_nodes
 from flashspec_core.stream import Counterfactual, Played, StreamState
 from flashspec_core.tree import DraftTree
 
@@ -39,60 +38,7 @@ class HostPolicy:
 
     # -- before a round ------------------------------------------------------------------------------
     def choose(self, s: StreamState) -> str:
-        """The bandit's arm. Under "contextual" the bandit picks among the arms that do not copy, and a copy
-        drafter takes the round instead where what it finds to copy here makes more tokens per second, as modelled
-        (`expected_speed`), than the bandit's mean for its pick."""
-        if not s.bandit:
-            return s.arms[0]
-        if s.bandit.strategy != "contextual":
-            return s.bandit.select()
-        copies = [a for a in s.arms if self.copies(a)]
-        pick = s.bandit.select(exclude=copies)
-        live = [a for a in copies if not self.idle(s, a)]
-        if not live or pick in copies:  # nothing to copy here, or only copy drafters
-            return pick
-        best = max(live, key=lambda a: self.expected_speed(s, a))
-        r = min(s.bandit.mean(pick), 0.999)  # speed_reward's inverse: the pick's speed over plain decoding's
-        return best if self.expected_speed(s, best) * self.costs.plain_step() > r / (1 - r) else pick
-
-    def recheck(self, s: StreamState, arm: str) -> str:
-        """`arm`, chosen before the round in flight landed, now that it has: under "contextual" a copy drafter with
-        nothing to copy at the landed context gives way to the bandit's pick among the other arms."""
-        if not (s.bandit and s.bandit.strategy == "contextual" and self.copies(arm) and self.idle(s, arm)):
-            return arm
-        return s.bandit.select(exclude=[a for a in s.arms if self.copies(a)])
-
-    def copies(self, arm: str) -> bool:
-        """Whether `arm` drafts by copying from the context (a model-free drafter that sets its own length)."""
-        drafter = self.drafters[arm]
-        return drafter.model_free and drafter.sets_length
-
-    def idle(self, s: StreamState, arm: str) -> bool:
-        """Whether a copy drafter proposes nothing at the stream's current context (its draft there is kept, so the
-        round that follows reads it again for free)."""
-        return not self.drafters[arm].propose_ids(s.rows[0], s.max_gamma)
-
-    def expected_speed(self, s: StreamState, arm: str) -> float:
-        """Tokens per second that a round of `arm` would make at the stream's current context, as modelled: a copy
-        drafter's draft and its odds of acceptance there (`CopyDrafter.expected`), else the arm's per-token
-        acceptance over the K it would draft; each at the round's calibrated cost."""
-        drafter = self.drafters[arm]
-        if self.copies(arm):
-            K, tokens = drafter.expected(s.rows[0], self.gamma(s, arm, s.max_gamma))
-        else:
-            K = 0 if isinstance(drafter, NoDraft) else self.gamma(s, arm, s.max_gamma)
-            tokens = expected_tokens(s.acceptance[arm].rate, K)
-        return tokens / max(self.cost(arm, K), 1e-9)
-
-    def copies(self, arm: str) -> bool:
-        """Whether `arm` drafts by copying from the context (a model-free drafter that sets its own length)."""
-        drafter = self.drafters[arm]
-        return drafter.model_free and drafter.sets_length
-
-    def idle(self, s: StreamState, arm: str) -> bool:
-        """Whether a copy drafter proposes nothing at the stream's current context (its draft there is kept, so the
-        round that follows reads it again for free)."""
-        return not self.drafters[arm].propose_ids(s.rows[0], s.max_gamma)
+        return s.bandit.select() if s.bandit else s.arms[0]
 
     def gamma(self, s: StreamState, arm: str, limit: int) -> int:
         """K for this round: a fixed gamma, or for "auto" the K that maximises expected tokens per second from the

@@ -122,35 +122,3 @@ def test_counterfactual_scores_wait_for_the_tokens_that_decide_them():
     assert oracle[0].observations == 0  # round 0 emitted 1 token: the counterfactual is still open
     assert events[1].accepted == tuple(plain[1:7]) and oracle[1].observations == 2 and oracle[1].pulls == 1
     assert oracle[1].mean > 0.5  # the resolved counterfactual scored as 7 tokens for one verify of 7
-
-
-def test_an_arm_is_chosen_from_those_not_left_out():
-    bandit = Bandit(["a", "b", "c"], "ucb1")
-    for _ in range(30):
-        bandit.update("a", 0.9), bandit.update("b", 0.5), bandit.update("c", 0.1)
-    assert bandit.select() == "a" and bandit.select(exclude=["a"]) == "b"
-    assert bandit.select(exclude=["a", "b", "c"]) == "a"  # nothing left: every arm counts
-
-
-@pytest.mark.parametrize("captured", ["off", "eager"], ids=["eager_rounds", "captured_body"])
-def test_contextual_pulls_a_copy_drafter_only_where_it_has_something_to_copy(captured):
-    """Under "contextual", a copy drafter that finds nothing worth copying is not chosen (its round would be a plain
-    step): the other arms are (with one round ahead: re-picked once the landing shows it). Sampled text copies now
-    and then; greedy, the same arms give plain decoding's tokens."""
-    target = tiny_llama(vocab=50, seed=3, layers=2)
-    engine = Engine.from_models(target, ["prompt_lookup", "ngram_cache"], bandit="contextual", kernel_backend="torch",
-                                captured=captured)
-    prompt = [5, 7, 11, 13, 17, 19, 23, 29, 31, 37] * 2 + [2, 3, 41, 43, 47, 4, 6, 8]
-    result = engine.generate(prompt, 120, sampling=SamplingConfig(temperature=1.0), seed=1)
-    copied = [e for e in result.events if e.drafter != "no_draft"]
-    assert copied and len(copied) < len(result.events)  # both kinds of round ran
-    assert all(e.gamma > 0 for e in copied[:-1]), [(e.drafter, e.gamma) for e in result.events]  # the last: the end
-    greedy = engine.generate(prompt, 40, seed=1)
-    assert greedy.token_ids == engine.generate(prompt, 40, mode="plain").token_ids
-
-
-def test_an_arms_mean_is_its_counted_rewards():
-    bandit = Bandit(["a", "b"], "contextual")
-    bandit.update("a", 0.9), bandit.update("a", 0.5, pulled=False)
-    assert bandit.mean("a") == pytest.approx(0.7) and bandit.mean("b") == 0.0
-    assert bandit.select(exclude=["a"]) == "b"
