@@ -209,6 +209,7 @@ class StaticCausalLM:
         self.k_cache: list[torch.Tensor] = []  # per layer [B, n_kv, capacity, D], views of kv_cache
         self.v_cache: list[torch.Tensor] = []
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.tree_graphs: dict[tuple[int, int, bool], tuple] = {}  # a tree's forward: graph, logits, aux, mask buffer
         self.aux_layers: tuple[int, ...] = ()  # set by the engine while a drafter reads hidden states
         self.aux: torch.Tensor | None = None  # the last forward's aux hidden states [B, T, len(aux_layers) * H]
         self._pool = None
@@ -365,7 +366,9 @@ class StaticCausalLM:
         self.v_cache = [kv[1] for kv in self.kv_cache]
         self.static_ids = torch.zeros((batch, self.max_graph_tokens), dtype=torch.int64, device=self.device)
         self.static_pos = torch.zeros((self.max_graph_tokens,), dtype=torch.int64, device=self.device)
+        self.static_rope = torch.zeros((self.max_graph_tokens,), dtype=torch.int64, device=self.device)
         self.graphs.clear()
+        self.tree_graphs.clear()
         self.batch = batch
 
     @property
@@ -429,8 +432,9 @@ class StaticCausalLM:
         rotary position length + depth; return float32 logits [B, T', V] like `forward` (and its `aux`).
 
         It runs the same layers as `forward` with the tree's mask in place of the causal one (math attention up to
-        max_graph_tokens slots, as `forward`; the GGUF path's SDPA). Always eager: no CUDA graphs for trees yet (a
-        chain is faster through `forward`, which replays them). Follow with `compact` once the path is known."""
+        max_graph_tokens slots, as `forward`; the GGUF path's SDPA). With CUDA graphs each (T, S) gets its own graph
+        the first time it runs, reading the tree's mask and rotary positions from buffers (`_tree_graph`). Follow
+        with `compact` once the path is known."""
         T = tree.check_ids(ids)
         self._fit_batch(ids.shape[0])
         start = self.length
@@ -441,7 +445,15 @@ class StaticCausalLM:
         allowed[:, start:start + T] = tree.ancestor_mask()
         mask = torch.where(allowed.to(self.device), self.zero, self.neg_inf).repeat(self.n_heads // self.n_kv, 1)
         rope = tree.position_ids(start).to(self.device)  # [T] rotary positions: start + depth
-        logits, self.aux = self._layers(ids, rope, self.slots[start:start + T], mask, S, keep)
+        if self.use_graphs and T <= self.max_graph_tokens and start > 0:
+            self.static_ids[:, :T].copy_(ids)
+            self.static_pos[:T].copy_(self.slots[start:start + T])
+            self.static_rope[:T].copy_(rope)
+            graph, out, aux, _ = self._tree_graph(T, S, mask)
+            graph.replay()
+            logits, self.aux = out[:, T - keep:], None if aux is None else aux.clone()
+        else:
+            logits, self.aux = self._layers(ids, rope, self.slots[start:start + T], mask, S, keep)
         self.length += T
         self.forwards += 1
         return logits[..., : self.vocab_size].to(torch.float32, copy=True)
@@ -492,21 +504,39 @@ class StaticCausalLM:
         return count
 
     def _capture(self, T: int, S: int):
-        """Warm up on a side stream, then capture one forward of T tokens over S slots into a shared pool."""
+        """One forward of T tokens over S slots as a graph (the causal mask made inside from the positions)."""
         ids, pos = self.static_ids[:, :T], self.static_pos[:T]
+        graph, (out, aux) = self._captured(lambda: self._forward(ids, pos, S, T))  # [B, T, V_model], [B, T, F]
+        self.graphs[(T, S, bool(self.aux_layers))] = (graph, out, aux)
+        return graph, out, aux
+
+    def _tree_graph(self, T: int, S: int, mask: torch.Tensor):
+        """The graph of a tree's forward over T slots and S cache slots (captured the first time), with `mask` [R*T,
+        S] copied into the mask buffer it reads: (graph, logits, aux, mask buffer)."""
+        key = (T, S, bool(self.aux_layers))
+        if key not in self.tree_graphs:
+            ids, pos, rope, buffer = self.static_ids[:, :T], self.static_pos[:T], self.static_rope[:T], mask.clone()
+            graph, (out, aux) = self._captured(lambda: self._layers(ids, rope, pos, buffer, S, T))
+            self.tree_graphs[key] = (graph, out, aux, buffer)
+        graph, out, aux, buffer = self.tree_graphs[key]
+        buffer.copy_(mask)
+        return graph, out, aux, buffer
+
+    def _captured(self, run):
+        """Warm `run` up on a side stream (it runs on the static inputs as they are), then capture it into the
+        shared pool; returns (graph, what run returned)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(ids, pos, S, T)
+                run()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out, aux = self._forward(ids, pos, S, T)  # [B, T, V_model], [B, T, F] or None
-        self.graphs[(T, S, bool(self.aux_layers))] = (graph, out, aux)
-        return graph, out, aux
+            out = run()
+        return graph, out
 
     # ------------------------------------------------------------------------------------------------
     # The transformer

@@ -233,3 +233,23 @@ def test_ordered_attention_computes_what_sdpa_does(models):
         lm.forward(context)
         errors.append((lm.forward(block) - want).abs().max().item())
     assert errors[1] <= 1.25 * errors[0], f"ordered {errors[1]:.3f} against SDPA {errors[0]:.3f} off the float32 model"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("layer_ops", ["torch", "triton"])
+def test_a_tree_forward_replayed_as_a_graph_gives_the_eager_bits(layer_ops):
+    """With CUDA graphs a tree's forward replays its (T, S) graph, the tree's mask and positions copied into its
+    buffers: the same logits, hidden states and cache as the eager forward, for a first and a second tree of the same
+    size (the graph captured by the first) and for a chain of the same size (another mask)."""
+    model = build(seed=3, device="cuda")
+    graphs, eager = (StaticCausalLM(model, max_len=64, use_graphs=g, layer_ops=layer_ops) for g in (True, False))
+    context = tokens((B, C), 1).cuda()
+    for tree, seed in ((TREE, 2), (DraftTree((-1, 0, 0, 1, 1, 3)), 3), (DraftTree.chain(6), 4)):
+        block, outs = tokens((B, tree.N + 1), seed).cuda(), []
+        for lm in (graphs, eager):
+            lm.reset()
+            lm.aux_layers = (0, 1)
+            lm.forward(context)
+            outs.append((lm.forward_tree(block, tree), lm.aux, lm.kv_cache[0][:, :, :, :C + tree.N + 1].clone()))
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), tree
+    assert len(graphs.tree_graphs) == 1 and not eager.tree_graphs  # one (T, S) for all three trees
