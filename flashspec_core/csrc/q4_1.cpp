@@ -539,27 +539,35 @@ struct Keys {
 
 // score [rows, width]: scale * q . k of each query (q [rows rounded up to QUERIES, D]; query j of token j % nt) and
 // slot, plus the token's bias (bias [nt, width]: 0 where it sees the slot, else -inf). Each score is one chain of
-// fused multiply-adds over d in order, whichever lane, block or group of queries computes it.
+// fused multiply-adds over d in order, whichever lane, block or group of queries computes it; two blocks of keys
+// and QUERIES queries at a time give the multiply-adders eight independent chains.
 void scores(const float* q, int64_t rows, int64_t nt, const Keys& keys, const float* bias, int64_t D, float scale,
             float* score) {
-  for (int64_t b = 0; b < keys.width / LANES; ++b)
+  const int64_t blocks = keys.width / LANES;
+  for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
+    const int64_t nb = std::min<int64_t>(2, blocks - b0);
     for (int64_t j0 = 0; j0 < rows; j0 += QUERIES) {
-      floats acc[QUERIES] = {};
+      floats acc[2][QUERIES] = {};
       for (int64_t d = 0; d < D; ++d) {
-        const floats kd = keys.kt[b * D + d];
-        for (int64_t r = 0; r < QUERIES; ++r) acc[r] = fmadd(splat(q[(j0 + r) * D + d]), kd, acc[r]);
+        const floats k0 = keys.kt[b0 * D + d], k1 = nb == 2 ? keys.kt[(b0 + 1) * D + d] : floats{};
+        for (int64_t r = 0; r < QUERIES; ++r) {
+          const floats x = splat(q[(j0 + r) * D + d]);
+          acc[0][r] = fmadd(x, k0, acc[0][r]);
+          acc[1][r] = fmadd(x, k1, acc[1][r]);
+        }
       }
-      for (int64_t r = 0; r < QUERIES && j0 + r < rows; ++r) {
-        const floats x = acc[r] * scale + widen(bias + ((j0 + r) % nt) * keys.width + b * LANES);
-        std::memcpy(&score[(j0 + r) * keys.width + b * LANES], &x, sizeof x);
-      }
+      for (int64_t h = 0; h < nb; ++h)
+        for (int64_t r = 0; r < QUERIES && j0 + r < rows; ++r) {
+          const int64_t at = (b0 + h) * LANES;
+          const floats x = acc[h][r] * scale + widen(bias + ((j0 + r) % nt) * keys.width + at);
+          std::memcpy(&score[(j0 + r) * keys.width + at], &x, sizeof x);
+        }
     }
+  }
 }
 
-// Softmax of one query's scores row [width] (in place: the weights, exact zeros where it sees no key), then its
-// output: the weighted values summed over the keys in order, over the weights' sum (also in order) -> out [D].
-void weigh(float* row, const Keys& keys, int64_t D, float* out) {
-  const int64_t chunks = D / LANES;
+// Softmax of one query's scores row [width], in place: the weights, exact zeros where it sees no key.
+void softmax_row(float* row, const Keys& keys) {
   floats top = splat(-INFINITY);
   for (int64_t i = 0; i < keys.width; i += LANES) {
     const floats x = widen(row + i);
@@ -572,18 +580,29 @@ void weigh(float* row, const Keys& keys, int64_t D, float* out) {
     const floats p = x == splat(-INFINITY) ? floats{} : exp_nonpositive(x - m);
     std::memcpy(row + i, &p, sizeof p);
   }
-  float total = 0.f;
-  floats acc[8] = {};  // D / 16 <= 8 chunks
-  for (int64_t i = 0; i < keys.n; ++i) {
-    if (row[i] == 0.f) continue;  // an exact zero: skipping it changes nothing
-    total += row[i];
-    const floats p = splat(row[i]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = fmadd(p, keys.v[i * chunks + c], acc[c]);
-  }
-  const float inv = total > 0.f ? 1.f / total : 0.f;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const floats x = acc[c] * inv;
-    std::memcpy(out + c * LANES, &x, sizeof x);
+}
+
+// The outputs of n <= 2 queries from their weight rows: each the weighted values summed over the keys in order, over
+// the weights' sum (also in order) -> outs[j] [D]. Two queries side by side give the multiply-adders independent
+// chains; each query's sums are its own, in the same order as alone.
+void weighted_values(float* const* rows, int64_t n, const Keys& keys, int64_t D, float* const* outs) {
+  const int64_t chunks = D / LANES;
+  float total[2] = {0.f, 0.f};
+  floats acc[2][8] = {};  // D / 16 <= 8 chunks
+  for (int64_t i = 0; i < keys.n; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const float w = rows[j][i];
+      if (w == 0.f) continue;  // an exact zero: skipping it changes nothing
+      total[j] += w;
+      const floats p = splat(w);
+      for (int64_t c = 0; c < chunks; ++c) acc[j][c] = fmadd(p, keys.v[i * chunks + c], acc[j][c]);
+    }
+  for (int64_t j = 0; j < n; ++j) {
+    const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const floats x = acc[j][c] * inv;
+      std::memcpy(outs[j] + c * LANES, &x, sizeof x);
+    }
   }
 }
 
@@ -596,16 +615,20 @@ void attend_tokens(const Attention<C>& a, const Keys& keys, int64_t bb, int64_t 
   const int64_t D = a.D, rows = a.R * nt, head = (bb * a.KV + g) * a.R * a.T;
   auto query_row = [&](int64_t j) { return head + (j / nt) * a.T + t0 + j % nt; };
   std::vector<float> q((rows + QUERIES - 1) / QUERIES * QUERIES * D, 0.f), bias(nt * keys.width, -INFINITY);
-  std::vector<float> score(rows * keys.width), out(D);
+  std::vector<float> score(rows * keys.width), out(2 * D);
   for (int64_t j = 0; j < rows; ++j)
     for (int64_t d = 0; d < D; ++d) q[j * D + d] = static_cast<float>(a.in.q[query_row(j) * D + d]);
   for (int64_t t = 0; t < nt; ++t)
     for (int64_t i = 0; i < keys.n; ++i)
       if (a.visible[(t0 + t) * a.S + i]) bias[t * keys.width + i] = 0.f;
   scores(q.data(), rows, nt, keys, bias.data(), D, a.scale, score.data());
-  for (int64_t j = 0; j < rows; ++j) {
-    weigh(&score[j * keys.width], keys, D, out.data());
-    store_row(out.data(), D, a.o + query_row(j) * D);
+  for (int64_t j0 = 0; j0 < rows; j0 += 2) {
+    const int64_t n = std::min<int64_t>(2, rows - j0);
+    float* weights[2] = {&score[j0 * keys.width], &score[(j0 + n - 1) * keys.width]};
+    float* outs[2] = {out.data(), out.data() + D};
+    for (int64_t j = 0; j < n; ++j) softmax_row(weights[j], keys);
+    weighted_values(weights, n, keys, D, outs);
+    for (int64_t j = 0; j < n; ++j) store_row(outs[j], D, a.o + query_row(j0 + j) * D);
   }
 }
 
