@@ -465,9 +465,16 @@ class StaticCausalLM:
         cache holds what a chain forward over the accepted path would have left. Every row must keep the same count."""
         start, index = compaction(kept, self.length)
         n = index.shape[1]
-        index = index.to(self.device)[None, :, None, :, None].expand(2, self.batch, self.n_kv, n, self.head_dim)
-        for kv in self.kv_cache:  # [2, B, n_kv, capacity, D]: k and v of a layer moved together
-            kv[:, :, :, start:start + n] = kv.gather(3, index)  # gathered into a new tensor first: no overlap
+        if (index == index[0]).all():  # one path for every row: move the slots from its first one out of place
+            first = next((k for k, slot in enumerate(index[0].tolist()) if slot != start + k), n)
+            if first < n:
+                src = index[0, first:].to(self.device)
+                for kv in self.kv_cache:  # [2, B, n_kv, capacity, D]: k and v of a layer moved together
+                    kv[:, :, :, start + first:start + n] = kv.index_select(3, src)  # a new tensor first: no overlap
+        else:
+            index = index.to(self.device)[None, :, None, :, None].expand(2, self.batch, self.n_kv, n, self.head_dim)
+            for kv in self.kv_cache:
+                kv[:, :, :, start:start + n] = kv.gather(3, index)
         self.length = start + n
 
     def _fit_batch(self, B: int) -> None:
