@@ -22,6 +22,7 @@
 #   r2:      stash part 2 (.carry/p2), the verify kernel's tests on CUDA
 #   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s;
 #            leading NAME=value words set that run's environment)
+#   t3:      assemble with part 3 (.carry/p3); benchmarks.tree_round (TREE_ARGS): chains against trees (issue 18)
 #   step:    the layer-op kernels' tests on CUDA and one forward's kernels with the torch ops and with them
 #            (benchmarks.gpu_step --layer-ops torch triton); no GGUF needed
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
@@ -146,9 +147,15 @@ r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RU
       | grep -v -i "loading weights\|de-quantizing\|clean_up_tokenization" | tail -${RUN_TAIL:-30}
   done <<< "${RUN_ARGS:-}"
   find benchmarks/results -name 'engine_embedded_cuda*' -newer /tmp/r3.start -exec cp {} "$OUT/" \; ;;
+t3)  # assemble the GGUF with part 3 (.carry/p3), then chains against trees (TREE_ARGS, e.g. "--precision auto
+  # --captured auto --tag h200": chains on CUDA graphs, trees eager with their target forward on graphs)
+  assemble3
+  touch /tmp/t3.start
+  timeout ${RUN_TIMEOUT:-500} python3 -m benchmarks.tree_round ${TREE_ARGS:-} 2>&1 | grep -v -i "loading weights\|de-quantizing" | tail -30
+  find benchmarks/results -name 'tree_round_cuda*' -newer /tmp/t3.start -exec cp {} "$OUT/" \; ;;
 step)  # issue 15's plain step: the layer-op kernels (tests, then the captured forward with and without them)
   python3 -m pytest tests/kernels/test_layer_ops.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_layer_ops_cuda.log" | tail -3
   python3 -m benchmarks.gpu_step --layer-ops torch triton --tokens 1 8 --context 512 --no-compile 2>&1 | tee "$OUT/gpu_step.log" | tail -30
   cp benchmarks/results/gpu_step_*.json "$OUT/" 2>/dev/null ;;
-*) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, old, ckpt, headgo, resumego, watch, shards, r1, r2, r3 or step" >&2; exit 2 ;;
+*) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, old, ckpt, headgo, resumego, watch, shards, r1, r2, r3, t3 or step" >&2; exit 2 ;;
 esac

@@ -2,6 +2,7 @@
 tok/s on the hand-written open prompts.
 
     python -m benchmarks.tree_round [--prompts 12] [--max-new-tokens 96] [--precision float32] [--temperature 0]
+                                    [--captured off|auto]
 
 For each prompt (through the chat template) the embedded model decodes --max-new-tokens tokens four ways from the
 same state, each through `DeviceRound` with its own arms (plain feeds no drafter): plain (K = 0), head chains of
@@ -36,7 +37,7 @@ def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, see
     rows, gen = [list(ids)], torch.Generator().manual_seed(seed)
     s = StreamState(rows, sampling, "auto", "speculative", ["draft_head"], max_new, gen, None, tree=config)
     arms = ["draft_head"] if config else ["no_draft"]  # plain feeds no drafter, as the engine's plain mode
-    round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=arms)
+    round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=arms, captured=not isinstance(config, TreeSize))
     forwards, t0 = 0, time.perf_counter()
     while len(rows[0]) - len(ids) < max_new:
         room = max_new - (len(rows[0]) - len(ids)) - 1  # drafts that still fit
@@ -69,9 +70,12 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", default="float32", choices=["auto", "gguf", "float32"])
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--captured", default="off", choices=["auto", "eager", "off"],
+                    help="the engine's captured rounds for the chains and plain rows (auto: CUDA graphs on a GPU; "
+                         "trees run eager rounds, their target forward replaying a graph per size)")
     args = ap.parse_args(argv)
-    engine = Engine.from_preset("embedded", precision=args.precision, captured="off")
-    engine.calibrate()  # the measured costs that tree "auto" sizes its trees by
+    engine = Engine.from_preset("embedded", precision=args.precision, captured=args.captured)
+    engine.warm_up(1024)  # the measured costs that tree "auto" sizes its trees by, and the chains' graphs
     sampling = SamplingConfig(temperature=args.temperature)
     prompts = load_prompt_set("open")[:args.prompts]
     configs = [0, *CHAINS, *TREES]
@@ -85,12 +89,13 @@ def main(argv=None) -> int:
             rows.append(r)
         print(f"{p['kind']:>16} " + "  ".join(f"{n} {r['tokens_per_forward']:.2f}" for n, r in runs.items()), flush=True)
     env = environment()
-    env.update(precision=engine.precision, temperature=args.temperature)
+    env.update(precision=engine.precision, temperature=args.temperature, captured=args.captured)
     summary = {name_of(c): {"tokens_per_forward": mean(r["tokens_per_forward"] for r in rows if r["config"] == name_of(c)),
                             "tok_per_s": mean(r["tok_per_s"] for r in rows if r["config"] == name_of(c)),
                             "same_as_plain": sum(r["same_as_plain"] for r in rows if r["config"] == name_of(c))}
                for c in configs}
-    stem = f"tree_round_cpu_{engine.precision}" + (f"_t{args.temperature:g}" if args.temperature else "") + \
+    device = "cuda" if engine.target.device.type == "cuda" else "cpu"
+    stem = f"tree_round_{device}_{engine.precision}" + (f"_t{args.temperature:g}" if args.temperature else "") + \
         (f"_{args.tag}" if args.tag else "")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(
