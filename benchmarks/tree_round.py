@@ -37,7 +37,9 @@ def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, see
     rows, gen = [list(ids)], torch.Generator().manual_seed(seed)
     s = StreamState(rows, sampling, "auto", "speculative", ["draft_head"], max_new, gen, None, tree=config)
     arms = ["draft_head"] if config else ["no_draft"]  # plain feeds no drafter, as the engine's plain mode
-    round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=arms, captured=not isinstance(config, TreeSize))
+    tree = isinstance(config, TreeSize)
+    round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=arms, captured=not tree,
+                 tree_tokens=config.size + 1 if tree else 0)  # graphs captured here, outside the timed rounds
     forwards, t0 = 0, time.perf_counter()
     while len(rows[0]) - len(ids) < max_new:
         room = max_new - (len(rows[0]) - len(ids)) - 1  # drafts that still fit

@@ -304,7 +304,7 @@ class Engine:
         s.t_start = time.perf_counter()  # generation is lazy: the clock starts with the first round's prefill
         s.prefill_s = self.round.start(s.rows, s.sampling, s.generator,
                                        len(s.rows[0]) + s.max_new_tokens + s.max_gamma + 1, s.max_gamma, s.arms,
-                                       captured=s.tree is None)
+                                       captured=s.tree is None, tree_tokens=s.tree.size + 1 if s.tree else 0)
         ahead = None  # the next round, chosen (and maybe launched) before this one landed
         while s.produced < s.max_new_tokens:
             played, ahead = self._play(s, ahead)

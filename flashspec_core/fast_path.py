@@ -488,8 +488,9 @@ class StaticCausalLM:
     # CUDA graphs
 
     @torch.inference_mode()
-    def capture(self, token_counts=range(1, 18), max_context: int | None = None) -> int:
-        """Capture graphs now for each T in token_counts and every bucket up to max_context (default: all).
+    def capture(self, token_counts=range(1, 18), max_context: int | None = None, tree_counts=()) -> int:
+        """Capture graphs now for each T in token_counts (and a tree's forward for each T in tree_counts) and every
+        bucket up to max_context (default: all).
 
         Call after reset() or before the first generation: the warm-up forwards write into the cache.
         Returns the number of graphs captured. Without graphs (CPU, use_graphs=False) it does nothing.
@@ -500,15 +501,26 @@ class StaticCausalLM:
             raise ValueError("capture() writes into the cache: call it before generating or after reset()")
         limit = self.capacity if max_context is None else self.bucket(max_context)
         count = 0
-        for T in token_counts:
-            if not 1 <= T <= self.max_graph_tokens:
-                raise ValueError(f"token count {T} outside 1..{self.max_graph_tokens}")
-            for S in self.buckets:
-                if S <= limit and S >= T and (T, S, bool(self.aux_layers)) not in self.graphs:
+        for tree, counts in ((False, token_counts), (True, tree_counts)):
+            for T in counts:
+                if not 1 <= T <= self.max_graph_tokens:
+                    raise ValueError(f"token count {T} outside 1..{self.max_graph_tokens}")
+                for S in (S for S in self.buckets if T <= S <= limit):
+                    if (T, S, bool(self.aux_layers)) in (self.tree_graphs if tree else self.graphs):
+                        continue
                     self.static_pos[:T].copy_(self.slots[S - T:S])
-                    self._capture(T, S)
+                    if tree:
+                        self._tree_graph(T, S, self._chain_mask(T, S))
+                    else:
+                        self._capture(T, S)
                     count += 1
         return count
+
+    def _chain_mask(self, T: int, S: int) -> torch.Tensor:
+        """The additive mask [R*T, S] of T tokens at static_pos[:T] (any mask of a tree's shape serves a capture)."""
+        self.static_rope[:T].copy_(self.static_pos[:T])
+        visible = self.slots[:S][None, :] <= self.static_pos[:T].repeat(self.n_heads // self.n_kv)[:, None]
+        return torch.where(visible, self.zero, self.neg_inf)
 
     def _capture(self, T: int, S: int):
         """One forward of T tokens over S slots as a graph (the causal mask made inside from the positions)."""

@@ -140,11 +140,12 @@ class DeviceRound:
     # -- the two calls -------------------------------------------------------------------------------
     def start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
               max_context: int | None = None, max_gamma: int = MAX_AUTO_GAMMA, arms: list[str] | None = None,
-              captured: bool = True) -> float:
+              captured: bool = True, tree_tokens: int = 0) -> float:
         """Prefill the target (all but the last token: each round feeds the pending token) and the drafters;
         returns the seconds it took. The target reports hidden states from here on only if one of `arms`
         (default: every drafter) reads them, and only they and the hidden-state readers are fed (`feed`).
-        captured=False: this stream runs eager rounds (tree rounds do)."""
+        captured=False: this stream runs eager rounds (tree rounds do); tree_tokens: the most slots a tree's
+        verify may take (graphs for 2..tree_tokens are captured now, not mid-stream)."""
         t0 = time.perf_counter()
         self.unlanded.clear()  # a round the last stream left in flight is dropped (its device work is queued first)
         self.unsettled = ([], 0, [])
@@ -154,7 +155,7 @@ class DeviceRound:
         readers = [self.drafters[a] for a in (arms or self.drafters)]
         self.target.aux_layers = next((d.aux_layers for d in readers if d.aux_layers), ())
         self.target.reset()
-        self._capture(len(rows), sampling, max_context, max_gamma, captured)
+        self._capture(len(rows), sampling, max_context, max_gamma, captured, tree_tokens)
         hidden = None
         if len(rows[0]) > 1:
             self.target.forward(torch.tensor([r[:-1] for r in rows], device=self.device), logits_to_keep=1)
@@ -338,7 +339,7 @@ class DeviceRound:
         return [name for name, d in self.drafters.items() if d.aux_layers and d.guess is not None]
 
     def _capture(self, batch: int, sampling: SamplingConfig, max_context: int | None, max_gamma: int,
-                 captured: bool = True) -> None:
+                 captured: bool = True, tree_tokens: int = 0) -> None:
         """CUDA graphs: captured once per shape, kept on each model and on the captured round (a no-op without
         graphs). Builds the captured round where it applies (`captured`) and is wanted."""
         self.captured = self._captured_round(batch) if captured else None
@@ -350,7 +351,8 @@ class DeviceRound:
         for lm in [self.target] + [d.lm for d in self.drafters.values() if isinstance(d, DraftModel)]:
             if hasattr(lm, "capture"):
                 lm.reset()
-                lm.capture(range(1, max_gamma + 2) if lm is self.target else [1, 2], max_context=max_context)
+                lm.capture(range(1, max_gamma + 2) if lm is self.target else [1, 2], max_context=max_context,
+                           tree_counts=range(2, min(tree_tokens, lm.max_graph_tokens) + 1) if lm is self.target else ())
 
     def _captured_round(self, batch: int) -> CapturedRound | None:
         """The captured round for `batch` rows (kept while the batch stays), or None where it does not apply: mode

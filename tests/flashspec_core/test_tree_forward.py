@@ -238,11 +238,14 @@ def test_ordered_attention_computes_what_sdpa_does(models):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("layer_ops", ["torch", "triton"])
 def test_a_tree_forward_replayed_as_a_graph_gives_the_eager_bits(layer_ops):
-    """With CUDA graphs a tree's forward replays its (T, S) graph, the tree's mask and positions copied into its
-    buffers: the same logits, hidden states and cache as the eager forward, for a first and a second tree of the same
-    size (the graph captured by the first) and for a chain of the same size (another mask)."""
+    """With CUDA graphs a tree's forward replays its (T, S) graph, captured beforehand (`capture(tree_counts=)`), the
+    tree's mask and positions copied into its buffers: the same logits, hidden states and cache as the eager forward,
+    for two trees of one size and a chain of that size (other masks), and nothing captured while they run."""
     model = build(seed=3, device="cuda")
     graphs, eager = (StaticCausalLM(model, max_len=64, use_graphs=g, layer_ops=layer_ops) for g in (True, False))
+    graphs.aux_layers = (0, 1)
+    captured = graphs.capture((), tree_counts=[TREE.N + 1])
+    assert captured == len(graphs.tree_graphs) > 0
     context = tokens((B, C), 1).cuda()
     for tree, seed in ((TREE, 2), (DraftTree((-1, 0, 0, 1, 1, 3)), 3), (DraftTree.chain(6), 4)):
         block, outs = tokens((B, tree.N + 1), seed).cuda(), []
@@ -252,4 +255,4 @@ def test_a_tree_forward_replayed_as_a_graph_gives_the_eager_bits(layer_ops):
             lm.forward(context)
             outs.append((lm.forward_tree(block, tree), lm.aux, lm.kv_cache[0][:, :, :, :C + tree.N + 1].clone()))
         assert all(torch.equal(a, b) for a, b in zip(*outs)), tree
-    assert len(graphs.tree_graphs) == 1 and not eager.tree_graphs  # one (T, S) for all three trees
+    assert len(graphs.tree_graphs) == captured and not eager.tree_graphs
