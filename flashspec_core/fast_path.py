@@ -432,9 +432,9 @@ class StaticCausalLM:
         rotary position length + depth; return float32 logits [B, T', V] like `forward` (and its `aux`).
 
         It runs the same layers as `forward` with the tree's mask in place of the causal one (math attention up to
-        max_graph_tokens slots, as `forward`; the GGUF path's SDPA). With CUDA graphs each (T, S) gets its own graph
-        the first time it runs, reading the tree's mask and rotary positions from buffers (`_tree_graph`). Follow
-        with `compact` once the path is known."""
+        max_graph_tokens slots, as `forward`; the GGUF path's SDPA). With CUDA graphs each (T, S) replays its own
+        graph (`capture(tree_counts=)` makes them ahead, else the first call does), reading the tree's mask and rotary
+        positions from buffers (`_tree_graph`). Follow with `compact` once the path is known."""
         T = tree.check_ids(ids)
         self._fit_batch(ids.shape[0])
         start = self.length
