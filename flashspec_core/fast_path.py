@@ -449,7 +449,7 @@ class StaticCausalLM:
             self.static_ids[:, :T].copy_(ids)
             self.static_pos[:T].copy_(self.slots[start:start + T])
             self.static_rope[:T].copy_(rope)
-            graph, out, aux, _ = self._tree_graph(T, S, mask)
+            graph, out, aux = self._tree_graph(T, S, mask)
             graph.replay()
             logits, self.aux = out[:, T - keep:], None if aux is None else aux.clone()
         else:
@@ -531,7 +531,7 @@ class StaticCausalLM:
 
     def _tree_graph(self, T: int, S: int, mask: torch.Tensor):
         """The graph of a tree's forward over T slots and S cache slots (captured the first time), with `mask` [R*T,
-        S] copied into the mask buffer it reads: (graph, logits, aux, mask buffer)."""
+        S] copied into the mask buffer it reads: (graph, logits, aux)."""
         key = (T, S, bool(self.aux_layers))
         if key not in self.tree_graphs:
             ids, pos, rope, buffer = self.static_ids[:, :T], self.static_pos[:T], self.static_rope[:T], mask.clone()
@@ -539,7 +539,7 @@ class StaticCausalLM:
             self.tree_graphs[key] = (graph, out, aux, buffer)
         graph, out, aux, buffer = self.tree_graphs[key]
         buffer.copy_(mask)
-        return graph, out, aux, buffer
+        return graph, out, aux
 
     def _captured(self, run):
         """Warm `run` up on a side stream (it runs on the static inputs as they are), then capture it into the
