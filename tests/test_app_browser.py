@@ -53,6 +53,13 @@ def page(app_url):
         browser.close()
 
 
+def expect(locator):
+    """Playwright's retrying assertions: a grid draws its rows a moment after its tab shows."""
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(locator)
+
+
 def status(page) -> str:
     return page.locator("#status").inner_text()
 
@@ -244,7 +251,7 @@ def test_bad_model_id_shows_a_message_then_a_normal_run_works(page):
     page.get_by_role("tab", name="Runs").click()
     page.screenshot(path=str(ARTIFACTS / "runs.png"), full_page=True)
     grid = page.get_by_role("grid", name="Runs in this session")
-    assert grid.get_attribute("aria-rowcount") == "8"  # a header, 2 runs, 2 races of 2 legs, this run
+    expect(grid).to_have_attribute("aria-rowcount", "8")  # a header, 2 runs, 2 races of 2 legs, this run
 
 
 def test_stop_cancels_a_run_and_the_next_one_works(page):
@@ -262,7 +269,7 @@ def test_each_browser_session_has_its_own_runs(page, app_url):
     other = page.context.browser.new_page()
     other.goto(app_url)
     other.get_by_role("tab", name="Runs").click()
-    assert other.get_by_role("grid", name="Runs in this session").get_attribute("aria-rowcount") == "1"
+    expect(other.get_by_role("grid", name="Runs in this session")).to_have_attribute("aria-rowcount", "1")
     other.close()
 
 
@@ -299,7 +306,7 @@ def test_a_tree_run_shows_each_rounds_branches_live_and_in_replay(page):
     assert any("✓ " in t for t in titles)  # some round accepted a path, and every round dropped branches
     page.screenshot(path=str(ARTIFACTS / "tree.png"), full_page=True)
     page.get_by_role("tab", name="Runs").click()
-    assert "tree 16 (depth 6, top-k 4)" in page.get_by_role("grid", name="Runs in this session").inner_text()
+    expect(page.get_by_role("grid", name="Runs in this session")).to_contain_text("tree 16 (depth 6, top-k 4)")
     page.get_by_role("tab", name="Replay").click()  # the new run is the one picked
     set_number(page, "replay-speed", 1)
     page.get_by_role("button", name="Play", exact=True).click()
