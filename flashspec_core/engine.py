@@ -10,6 +10,7 @@ engines (presets, Hub ids, built models) and checks what comes in.
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -127,10 +128,12 @@ class Engine:
             elif d not in MODEL_FREE:
                 draft_models[d] = load_model(d, dev, dt, progress)
                 check_same_vocabulary(tokenizer, draft_models[d][1], target, d)
-        return cls.from_models(model, [draft_models[d][0] if d in draft_models else d for d in drafters],
-                               tokenizer=tokenizer, kernel_backend=kernel_backend, bandit=bandit, fast_path=fast_path,
-                               draft_names=[_short(d) for d in drafters], name=name or target, gguf=gguf,
-                               captured=captured)
+        engine = cls.from_models(model, [draft_models[d][0] if d in draft_models else d for d in drafters],
+                                 tokenizer=tokenizer, kernel_backend=kernel_backend, bandit=bandit, fast_path=fast_path,
+                                 draft_names=[_short(d) for d in drafters], name=name or target, gguf=gguf,
+                                 captured=captured)
+        settle_heap()
+        return engine
 
     @classmethod
     def from_models(cls, target_model, drafters: list = ("prompt_lookup", "ngram_cache"), tokenizer=None, *,
@@ -414,6 +417,15 @@ def _eos_ids(model, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None and not ids:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def settle_heap() -> None:
+    """Move what a load left alive (the libraries' and models' ~10^6 Python objects) out of the cyclic garbage
+    collector's sight: its full passes over them cost a decode step 8-10% on a 2-core CPU. Unfrozen first, so what
+    an earlier load left for garbage (an evicted engine) is collected now rather than kept for good."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def _short(name: str) -> str:

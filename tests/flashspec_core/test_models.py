@@ -144,3 +144,26 @@ def test_pick_precision_says_where_gguf_runs():
         pick_precision("gguf", "org/model", cpu)
     with pytest.raises(ValueError, match="CPU only"):
         pick_precision("gguf", "embedded", cuda)
+
+
+def test_settling_the_heap_after_a_load_freezes_the_living_and_still_collects_an_earlier_loads_garbage():
+    import gc
+    import weakref
+
+    from flashspec_core.engine import settle_heap
+
+    class Node:
+        pass
+
+    old = Node()
+    old.self = old  # a cycle: only the cyclic collector frees it
+    gone = weakref.ref(old)
+    gc.freeze()  # as an earlier load left it: frozen while it was alive
+    del old
+    kept = Node()
+    settle_heap()
+    try:
+        assert gone() is None  # unfrozen and collected, not kept for good
+        assert gc.get_freeze_count() > 0 and not any(o is kept for o in gc.get_objects())  # the living are frozen
+    finally:
+        gc.unfreeze()
