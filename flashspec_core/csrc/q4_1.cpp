@@ -303,8 +303,12 @@ void matmul(Format format, const Activations& a, const at::Tensor& packed, const
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* wg = w + g * B * bytes;
       const at::Half* sg = sc + g * B * halves;
-      for (int64_t t0 = 0; t0 < T; t0 += TILE) {
-        const int64_t nt = std::min(TILE, T - t0);
+      // ceil(T / TILE) tiles of near-equal size (9 tokens: 5 + 4, not 8 + 1, whose lone token waits on its chains);
+      // a token's sums are its own in any tile, so the split changes no bits
+      const int64_t tiles = (T + TILE - 1) / TILE;
+      for (int64_t k = 0, next = 0; k < tiles; ++k) {
+        const int64_t nt = T / tiles + (k < T % tiles), t0 = next;
+        next += nt;
 #if FLASHSPEC_VNNI
         if (!portable) {
           auto run = [&](auto kernel) { kernel(wg, sg, a, t0, out, N, g, accumulate); };
