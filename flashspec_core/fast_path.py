@@ -311,8 +311,14 @@ class StaticCausalLM:
                        l.o.dm, l.post_norm, l.gate_up.weight.packed, l.gate_up.weight.dm, l.down.packed, l.down.dm)]
             op = torch.ops.flashspec.gguf_layers
             ordered = self.attention == "ordered"
-            return lambda x, cos, sin, pos, mask, S, shape, aux: (
-                x, op(x, cos, sin, pos, mask, S, shape, self.eps, self.scaling, weights, self.kv_cache, aux, ordered))
+
+            def native_loop(x, cos, sin, pos, mask, S, shape, aux):  # pos: ascending slots
+                valid = min(self.widened, int(pos[0]))  # the slots written now are widened again, and those after
+                out = op(x, cos, sin, pos, mask, S, shape, self.eps, self.scaling, weights, self.kv_cache, aux, ordered,
+                         self.wide, valid)
+                self.widened = int(pos[-1]) + 1 if ordered else 0
+                return x, out
+            return native_loop
         if self.loop == "script":
             weights = [[l.input_norm, l.qkv.weight.packed, l.qkv.weight.scales_zeros, l.o.packed, l.o.scales_zeros,
                         l.post_norm, l.gate_up.weight.packed, l.gate_up.weight.scales_zeros, l.down.packed,
@@ -364,6 +370,11 @@ class StaticCausalLM:
         self.kv_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.k_cache = [kv[0] for kv in self.kv_cache]  # views
         self.v_cache = [kv[1] for kv in self.kv_cache]
+        # ordered attention's float32 copy of each layer's cache, keys transposed in blocks of 16 slots (pages are
+        # touched only as slots fill); its first `widened` slots match the cache, so a step widens only its own
+        self.wide = [torch.empty((2, batch, self.n_kv, self.capacity, self.head_dim)) for _ in self.layers] \
+            if self.attention == "ordered" else []
+        self.widened = 0
         self.static_ids = torch.zeros((batch, self.max_graph_tokens), dtype=torch.int64, device=self.device)
         self.static_pos = torch.zeros((self.max_graph_tokens,), dtype=torch.int64, device=self.device)
         self.static_rope = torch.zeros((self.max_graph_tokens,), dtype=torch.int64, device=self.device)
@@ -471,10 +482,12 @@ class StaticCausalLM:
                 src = index[0, first:].to(self.device)
                 for kv in self.kv_cache:  # [2, B, n_kv, capacity, D]: k and v of a layer moved together
                     kv[:, :, :, start + first:start + n] = kv.index_select(3, src)  # a new tensor first: no overlap
+                self.widened = min(self.widened, start + first)
         else:
             index = index.to(self.device)[None, :, None, :, None].expand(2, self.batch, self.n_kv, n, self.head_dim)
             for kv in self.kv_cache:
                 kv[:, :, :, start:start + n] = kv.gather(3, index)
+            self.widened = min(self.widened, start)
         self.length = start + n
 
     def _fit_batch(self, B: int) -> None:

@@ -445,7 +445,13 @@ constexpr int64_t LANES = 16;
 #define FLASHSPEC_MIX(a, b, ...) __builtin_shuffle(a, b, ints{__VA_ARGS__})
 #endif
 
-inline floats splat(float x) { return floats{} + x; }
+inline floats splat(float x) {  // x in every lane (one broadcast; floats{} + x also added +0)
+#if defined(__AVX512F__)
+  return (floats)_mm512_set1_ps(x);
+#else
+  return floats{} + x;
+#endif
+}
 
 inline floats fmadd(floats a, floats b, floats c) {  // a * b + c, rounded once
 #if defined(__AVX512F__)
@@ -517,28 +523,36 @@ constexpr int64_t TOKENS = 8;  // tokens of one kv head attended together (one w
 constexpr int64_t QUERIES = 4;  // queries scored together against a block of 16 keys
 
 // The first n cache slots of one kv head, widened to float32: keys transposed in blocks of 16 (kt[b * D + d]:
-// feature d of slots 16b..16b+15, zeros past n) and values as rows (v[i * D / 16 + c]).
+// feature d of slots 16b..16b+15, zeros past n) and values as rows (v[i * D / 16 + c]). Views: the floats live in
+// `Widened`'s storage.
 struct Keys {
-  std::vector<floats> kt, v;
-  int64_t n = 0, width = 0;  // slots, and slots rounded up to a multiple of 16
+  const floats *kt, *v;
+  int64_t n, width;  // slots, and slots rounded up to a multiple of 16
+};
 
-  Keys() = default;
-  template <typename C>
-  Keys(const C* k, const C* values, int64_t n_, int64_t D) : n(n_), width((n_ + LANES - 1) / LANES * LANES) {
-    const int64_t chunks = D / LANES;
-    kt.resize(width / LANES * D);
-    v.resize(n * chunks);
-    floats rows[LANES];
-    for (int64_t b = 0; b < width / LANES; ++b)
-      for (int64_t c = 0; c < chunks; ++c) {
-        for (int64_t l = 0; l < LANES; ++l)
-          rows[l] = b * LANES + l < n ? widen(k + (b * LANES + l) * D + c * LANES) : floats{};
-        transpose16(rows);
-        for (int64_t d = 0; d < LANES; ++d) kt[b * D + c * LANES + d] = rows[d];
-      }
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t c = 0; c < chunks; ++c) v[i * chunks + c] = widen(values + i * D + c * LANES);
-  }
+// Slots [from, n) of one kv head's cache (keys k, values; rows of D) widened into kt and v laid out as in Keys; the
+// block of 16 that holds `from` is redone whole, and its slots past n are zeros.
+template <typename C>
+void widen_slots(const C* k, const C* values, int64_t from, int64_t n, int64_t D, floats* kt, floats* v) {
+  const int64_t chunks = D / LANES;
+  floats rows[LANES];
+  for (int64_t b = from / LANES; b < (n + LANES - 1) / LANES; ++b)
+    for (int64_t c = 0; c < chunks; ++c) {
+      for (int64_t l = 0; l < LANES; ++l)
+        rows[l] = b * LANES + l < n ? widen(k + (b * LANES + l) * D + c * LANES) : floats{};
+      transpose16(rows);
+      for (int64_t d = 0; d < LANES; ++d) kt[b * D + c * LANES + d] = rows[d];
+    }
+  for (int64_t i = from; i < n; ++i)
+    for (int64_t c = 0; c < chunks; ++c) v[i * chunks + c] = widen(values + i * D + c * LANES);
+}
+
+// Where the widened keys and values of each (row, kv head) live: `slots` slots a head (a multiple of 16), its keys at
+// kt + head * slots * D / 16 and values at v + the same. Either kept across calls (the target's float32 copy of its
+// cache, whose first `valid` slots are current) or this call's own (valid = 0).
+struct Widened {
+  floats *kt, *v;
+  int64_t slots, valid;
 };
 
 // score [rows, width]: scale * q . k of each query (q [rows rounded up to QUERIES, D]; query j of token j % nt) and
@@ -588,25 +602,42 @@ void softmax_row(float* row, const Keys& keys) {
 
 // The outputs of n <= 2 queries from their weight rows: each the weighted values summed over the keys in order, over
 // the weights' sum (also in order) -> outs[j] [D]. Two queries side by side give the multiply-adders independent
-// chains; each query's sums are its own, in the same order as alone.
+// chains; each query's sums are its own, in the same order as alone. CH = D / 16 is a constant, so the sums stay in
+// registers (with D a variable they went through memory at every key).
+template <int CH>
+void weighted_values(float* const* rows, int64_t n, const Keys& keys, float* const* outs) {
+  float total0 = 0.f, total1 = 0.f;
+  floats acc0[CH] = {}, acc1[CH] = {};
+  const float *w0 = rows[0], *w1 = rows[n - 1];
+  // a hidden key's weight is an exact zero: it adds +0 or -0 to sums that start at +0, changing no bit
+  for (int64_t i = 0; i < keys.n; ++i) {
+    const floats* v = keys.v + i * CH;
+    const floats p0 = splat(w0[i]), p1 = splat(w1[i]);
+    total0 += w0[i];
+    total1 += w1[i];
+    for (int c = 0; c < CH; ++c) {
+      acc0[c] = fmadd(p0, v[c], acc0[c]);
+      acc1[c] = fmadd(p1, v[c], acc1[c]);
+    }
+  }
+  const float inv0 = total0 > 0.f ? 1.f / total0 : 0.f, inv1 = total1 > 0.f ? 1.f / total1 : 0.f;
+  for (int c = 0; c < CH; ++c) {
+    const floats x0 = acc0[c] * inv0, x1 = acc1[c] * inv1;
+    std::memcpy(outs[0] + c * LANES, &x0, sizeof x0);
+    if (n == 2) std::memcpy(outs[1] + c * LANES, &x1, sizeof x1);
+  }
+}
+
 void weighted_values(float* const* rows, int64_t n, const Keys& keys, int64_t D, float* const* outs) {
-  const int64_t chunks = D / LANES;
-  float total[2] = {0.f, 0.f};
-  floats acc[2][8] = {};  // D / 16 <= 8 chunks
-  for (int64_t i = 0; i < keys.n; ++i)
-    for (int64_t j = 0; j < n; ++j) {
-      const float w = rows[j][i];
-      if (w == 0.f) continue;  // an exact zero: skipping it changes nothing
-      total[j] += w;
-      const floats p = splat(w);
-      for (int64_t c = 0; c < chunks; ++c) acc[j][c] = fmadd(p, keys.v[i * chunks + c], acc[j][c]);
-    }
-  for (int64_t j = 0; j < n; ++j) {
-    const float inv = total[j] > 0.f ? 1.f / total[j] : 0.f;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const floats x = acc[j][c] * inv;
-      std::memcpy(outs[j] + c * LANES, &x, sizeof x);
-    }
+  switch (D / LANES) {  // D is a multiple of 16 up to 128 (gguf_layers and head_layer check)
+    case 1: return weighted_values<1>(rows, n, keys, outs);
+    case 2: return weighted_values<2>(rows, n, keys, outs);
+    case 3: return weighted_values<3>(rows, n, keys, outs);
+    case 4: return weighted_values<4>(rows, n, keys, outs);
+    case 5: return weighted_values<5>(rows, n, keys, outs);
+    case 6: return weighted_values<6>(rows, n, keys, outs);
+    case 7: return weighted_values<7>(rows, n, keys, outs);
+    default: return weighted_values<8>(rows, n, keys, outs);
   }
 }
 
@@ -618,8 +649,11 @@ void attend_tokens(const Attention<C>& a, const Keys& keys, int64_t bb, int64_t 
   // query j: query head j / nt of token t0 + j % nt
   const int64_t D = a.D, rows = a.R * nt, head = (bb * a.KV + g) * a.R * a.T;
   auto query_row = [&](int64_t j) { return head + (j / nt) * a.T + t0 + j % nt; };
-  std::vector<float> q((rows + QUERIES - 1) / QUERIES * QUERIES * D, 0.f), bias(nt * keys.width, -INFINITY);
-  std::vector<float> score(rows * keys.width), out(2 * D);
+  thread_local std::vector<float> q, bias, score, out;  // a thread's buffers, kept: no allocation per work item
+  q.assign((rows + QUERIES - 1) / QUERIES * QUERIES * D, 0.f);
+  bias.assign(nt * keys.width, -INFINITY);
+  score.resize(rows * keys.width);
+  out.resize(2 * D);
   for (int64_t j = 0; j < rows; ++j)
     for (int64_t d = 0; d < D; ++d) q[j * D + d] = static_cast<float>(a.in.q[query_row(j) * D + d]);
   for (int64_t t = 0; t < nt; ++t)
@@ -636,28 +670,52 @@ void attend_tokens(const Attention<C>& a, const Keys& keys, int64_t bb, int64_t 
   }
 }
 
-// Every (row, kv head, block of up to TOKENS tokens) of `a`, spread over the threads: first each head's keys up to
-// the last slot any token sees, widened once, then the blocks of tokens.
+// Every (row, kv head, block of up to TOKENS tokens) of `a`, spread over the threads: first each head's slots up to
+// the last any token sees widened where `wide` does not hold them yet, then the blocks of tokens.
 template <typename C>
-void ordered_attention(const Attention<C>& a, int64_t B) {
+void ordered_attention(const Attention<C>& a, int64_t B, const Widened& wide) {
   int64_t n = 0;
   for (int64_t t = 0; t < a.T; ++t)
     for (int64_t s = n; s < a.S; ++s)
       if (a.visible[t * a.S + s]) n = s + 1;
-  std::vector<Keys> keys(B * a.KV);
+  TORCH_CHECK(n <= wide.slots, "the widened keys hold ", wide.slots, " slots a head; ", n, " are visible");
+  const int64_t from = std::min(wide.valid, n), head = wide.slots * a.D / LANES;
   at::parallel_for(0, B * a.KV, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t base = i * a.in.capacity * a.D;
-      keys[i] = Keys(a.in.k + base, a.in.v + base, n, a.D);
+      widen_slots(a.in.k + base, a.in.v + base, from, n, a.D, wide.kt + i * head, wide.v + i * head);
     }
   });
-  const int64_t blocks = (a.T + TOKENS - 1) / TOKENS;
+  // blocks of near-equal size, enough of them that the threads get as many (9 tokens, 3 kv heads, 2 threads: 5 + 4
+  // tokens a head, 3 blocks a thread; 8 + 1 gave one thread 17 tokens' work and the other 10)
+  int64_t blocks = (a.T + TOKENS - 1) / TOKENS;
+  while ((B * a.KV * blocks) % at::get_num_threads() && blocks < a.T) ++blocks;
   at::parallel_for(0, B * a.KV * blocks, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t0 = (i % blocks) * TOKENS;
-      attend_tokens(a, keys[i / blocks], i / (a.KV * blocks), (i / blocks) % a.KV, t0, std::min(TOKENS, a.T - t0));
+      const int64_t k = i % blocks, h = i / blocks, t0 = k * (a.T / blocks) + std::min(k, a.T % blocks);
+      const Keys keys{wide.kt + h * head, wide.v + h * head, n, (n + LANES - 1) / LANES * LANES};
+      attend_tokens(a, keys, h / a.KV, h % a.KV, t0, a.T / blocks + (k < a.T % blocks));
     }
   });
+}
+
+// This call's own storage for `heads` kv heads of up to n slots: reused by the calling thread's next calls.
+Widened scratch(int64_t heads, int64_t n, int64_t D) {
+  thread_local std::vector<floats> kt, v;
+  const int64_t slots = (n + LANES - 1) / LANES * LANES, size = heads * slots * D / LANES;
+  if (static_cast<int64_t>(kt.size()) < size) kt.resize(size), v.resize(size);
+  return Widened{kt.data(), v.data(), slots, 0};
+}
+
+// Layer i's storage in `wide` (each layer's [2, B, KV, slots, D] float32: kt, then v), its first `valid` slots
+// current; `wide` empty: this call's scratch.
+Widened widened_in(at::TensorList wide, int64_t i, int64_t valid, int64_t heads, int64_t S, int64_t D) {
+  if (wide.empty()) return scratch(heads, S, D);
+  const at::Tensor& t = wide[i];
+  TORCH_CHECK(t.is_contiguous() && t.dtype() == at::kFloat && t.size(0) == 2 && t.size(1) * t.size(2) == heads &&
+              t.size(3) % LANES == 0 && t.size(4) == D, "wide: contiguous float32 [2, B, KV, slots (x16), D] a layer");
+  floats* kt = reinterpret_cast<floats*>(t.data_ptr<float>());
+  return Widened{kt, kt + t.numel() / 2 / LANES, t.size(3), valid};
 }
 
 // StaticCausalLM's layers on the GGUF path: x [B*T, hidden] float32, updated in place, with cos, sin [T, 1, D] at
@@ -665,12 +723,13 @@ void ordered_attention(const Attention<C>& a, int64_t B) {
 // (bfloat16); attention over slots [0, S) through the additive mask [R*T, S] (0 or -inf, the same for each query
 // head r of token t): SDPA, or (ordered) `ordered_attention` over the slots the mask leaves visible. weights: 10 per
 // layer (input norm, q/k/v packed and dm, o packed and dm, post norm, gate/up packed and dm, down packed and dm;
-// norms float32).
+// norms float32). wide: empty, or per layer the float32 copy of its cache that ordered attention reads ([2, B, KV,
+// capacity, D], see Widened), whose first `valid` slots are current (the caller lowers it where slots change).
 // Returns the residual streams entering the aux layers, in their order.
 std::vector<at::Tensor> gguf_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& pos,
                                     const at::Tensor& mask, int64_t S, at::IntArrayRef shape, double eps,
                                     double scaling, at::TensorList weights, at::TensorList kv_cache,
-                                    at::IntArrayRef aux_layers, bool ordered) {
+                                    at::IntArrayRef aux_layers, bool ordered, at::TensorList wide, int64_t valid) {
   const int64_t B = shape[0], T = shape[1], H = shape[2], KV = shape[3], D = shape[4], R = H / KV;
   const int64_t layers = static_cast<int64_t>(kv_cache.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 10 * layers, "10 weights per layer expected");
@@ -699,7 +758,8 @@ std::vector<at::Tensor> gguf_layers(at::Tensor x, const at::Tensor& cos, const a
     rope_scatter(qkv, cos_f, sin_f, slots, heads, B, T, H, KV, D);
     if (ordered) {
       ordered_attention(Attention<at::BFloat16>{heads, o.data_ptr<at::BFloat16>(), visible.data_ptr<uint8_t>(), KV, R,
-                                                T, D, S, static_cast<float>(scaling)}, B);
+                                                T, D, S, static_cast<float>(scaling)},
+                        B, widened_in(wide, i, valid, B * KV, S, D));
     } else {
       o = at::scaled_dot_product_attention(q, cache[0].slice(2, 0, S), cache[1].slice(2, 0, S), mask, 0.0, false,
                                            scaling).contiguous();
@@ -738,7 +798,8 @@ at::Tensor head_layer(const at::Tensor& e, const at::Tensor& h, const at::Tensor
                            cache[0].size(2)};
   rope_scatter(qkv, rope[0], rope[1], pos, heads, B, T, H, KV, D);
   ordered_attention(Attention<float>{heads, o.data_ptr<float>(), visible.data_ptr<uint8_t>(), KV, R, T, D,
-                                     visible.size(1), static_cast<float>(scaling)}, B);
+                                     visible.size(1), static_cast<float>(scaling)},
+                    B, scratch(B * KV, visible.size(1), D));
   at::Tensor out = h.clone();
   matmul(Format::Q8_0, heads_quantize<float>(o, T, R), w[4], w[5], out.data_ptr<float>(), true, false);
   at::Tensor gate_up = at::empty({B * T, w[7].size(0) * ROWS}, h.options());
@@ -756,7 +817,8 @@ TORCH_LIBRARY(flashspec, m) {
   m.def("q8_0_linear_portable(Tensor x, Tensor packed, Tensor d) -> Tensor");
   m.def("vnni() -> bool", &vnni);  // whether the AVX512-VNNI kernels were compiled in
   m.def("gguf_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor pos, Tensor mask, int S, int[] shape, float eps, "
-        "float scaling, Tensor[] weights, Tensor(b!)[] kv_cache, int[] aux_layers, bool ordered) -> Tensor[]");
+        "float scaling, Tensor[] weights, Tensor(b!)[] kv_cache, int[] aux_layers, bool ordered, Tensor(c!)[] wide, "
+        "int valid) -> Tensor[]");
   m.def("head_layer(Tensor e, Tensor h, Tensor rope, Tensor pos, Tensor visible, int[] shape, float eps, float scaling, "
         "Tensor[] weights, Tensor(a!)[] cache) -> Tensor");
 }
