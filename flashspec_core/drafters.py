@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from flashspec_core.draft_head import DraftHead, HeadCache
-from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length
+from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length, worth_another
 from flashspec_core.models import CausalLM
 from flashspec_core.sampling import SamplingConfig, logits_to_probs, logits_to_probs_at, sample
 from flashspec_core.tree import DraftTree
@@ -454,6 +454,12 @@ class DraftHeadDrafter(Drafter):
     costs about as much over 8 slots as over 1 (the weights are read once), so the default waits for CATCH_UP
     slots: rounds of other arms then pay ~0.2 ms a slot instead of ~1.5 ms a round (the native 4-bit path, a
     7 ms plain round). A captured round (`observe_at`) keeps the head current inside its graph either way.
+
+    On the CPU the head sets its own chain length (`sets_length`): once the policy has handed it the measured costs
+    (`costs`, and `step_s`, its seconds a draft step) a chain ends after the token past which one more is not worth
+    its step and verify (`gamma.worth_another`, from the head's probabilities of the tokens it drew). The decision
+    after token i reads tokens 1..i only, so every drafted token is still a draw from q: exact. Not on a GPU, where
+    reading a probability each step would wait for the device.
     """
 
     name = "draft_head"
@@ -479,6 +485,9 @@ class DraftHeadDrafter(Drafter):
         self.fixed: _Fixed | None = None  # a captured round's buffers (`bind`), kept across streams
         self.catch_up_slots = catch_up
         self.waiting: list[torch.Tensor] = []  # features [B, n, F] of verified slots not yet through the first pass
+        self.sets_length = self.device.type == "cpu"
+        self.costs: CostModel | None = None  # the target's measured forward costs, handed over by the policy
+        self.step_s = 0.0  # this head's measured seconds a draft step (0: not measured yet, no early end)
 
     def bind(self, batch: int, capacity: int) -> "_Fixed":
         """Fixed buffers for a captured round (`flashspec_core.captured`): a cache of `capacity` slots that never
@@ -574,17 +583,30 @@ class DraftHeadDrafter(Drafter):
         if k == 0 or self.h is None:  # no verified features yet (a one-token prompt): a plain round
             return Proposal(torch.empty((B, 0), dtype=torch.int64, device=self.device), None)
         verified, h, logits = self.cache.length, self.h, self.logits
-        tokens, qs = [], []
+        tokens, qs, survival = [], [], []
         for i in range(k):
             index, q = draw(logits, self.sampling, self.generator)
             tokens.append(self.ids[index])
             qs.append(q)
+            if i + 1 < k and self._ends(index, q, logits, survival):
+                break
             if i + 1 < k:
                 h = self.head.step(self.cache, tokens[-1][:, None], h)
                 logits = self.head.logits(h[:, -1], self.limit).float()
         self.cache.crop(verified)  # the draft slots go; the verified ones stay
         q = None if self.sampling.greedy else self._widen(torch.stack(qs, dim=1))
         return Proposal(torch.stack(tokens, dim=1), q)
+
+    def _ends(self, index: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, survival: list[float]) -> bool:
+        """Whether the chain ends with the token just drawn (index [B]): its probability under the head (q, or the
+        softmax of the greedy step's logits; the rows' mean) extends `survival`, and one more token must be worth its
+        price (`gamma.worth_another`). Never before the costs are measured."""
+        if not self.sets_length or self.costs is None or self.step_s <= 0:
+            return False
+        probs = q if q is not None else logits.softmax(dim=-1)
+        p = float(probs.gather(-1, index[:, None]).mean())
+        survival.append(p * (survival[-1] if survival else 1.0))
+        return not worth_another(survival, p, self.costs, self.step_s)
 
     def _widen(self, q: torch.Tensor) -> torch.Tensor:
         """q over the draft vocabulary [B, K, draft V] -> over the target's [B, K, V] (zero outside it)."""

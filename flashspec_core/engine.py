@@ -270,7 +270,7 @@ class Engine:
             self.policy.set_costs(self.round.forward_costs(rows, (1, 2, 3, 4, 5, 6, 8, 9, 12, MAX_AUTO_GAMMA + 1), reps))
         for name, d in self.drafters.items():
             if name not in self.policy.draft_costs:
-                self.policy.draft_costs[name] = self.round.draft_cost(rows, d, reps)
+                self.policy.set_draft_cost(name, self.round.draft_cost(rows, d, reps))
         for name, d in self.drafters.items():
             d.recall(memories[name])
 

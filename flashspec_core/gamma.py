@@ -126,6 +126,20 @@ def best_tree_nodes(chances: list[float], costs: CostModel, draft_s: float = 0.0
     return best
 
 
+def worth_another(survival: list[float], p: float, costs: CostModel, step_s: float) -> bool:
+    """Whether a chain of k = len(survival) drafted tokens (survival[j]: the chance its first j + 1 are all accepted)
+    should grow by one: yes while one more token raises the expected tokens per second of the round, the next
+    token's survival taken as survival[-1] * p, p the drafter's probability of its last token (confidence runs in
+    streaks), its price a draft step of step_s seconds and the target's forward over one token more."""
+    if costs.plain_step() <= 0 or not survival:
+        return True
+    k = len(survival)
+    forward = costs.curve(k + 2)  # forward[j]: a verify of j drafts (j + 1 tokens)
+    tokens, seconds = 1.0 + sum(survival), k * step_s + forward[k]
+    more = (tokens + survival[-1] * p) / (seconds + step_s + forward[k + 1] - forward[k])
+    return more > tokens / seconds
+
+
 class Calibration:
     """How far a drafter's own probabilities over- or under-state acceptance in one stream: the decayed ratio of the
     tokens accepted to those its probabilities expected, clipped to [0.2, 1.5] (1 before any round)."""

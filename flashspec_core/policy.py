@@ -30,6 +30,12 @@ class HostPolicy:
     def calibrated(self) -> bool:
         return bool(self.costs.seconds)
 
+    def set_draft_cost(self, arm: str, cost: DraftCost) -> None:
+        """An arm's measured drafting seconds; a drafter that sets its own length weighs its steps by them."""
+        self.draft_costs[arm] = cost
+        if self.drafters[arm].sets_length:
+            self.drafters[arm].step_s = cost.per_token
+
     def set_costs(self, costs: CostModel) -> None:
         self.costs = costs
         for d in self.drafters.values():

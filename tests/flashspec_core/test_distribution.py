@@ -61,7 +61,7 @@ def chi2(samples, law):
     observed = torch.bincount(samples, minlength=V).double()
     support = law > 0
     assert observed[~support].sum() == 0, f"tokens outside the target's support: {observed.tolist()}"
-    expected = N * law[support]
+    expected = len(samples) * law[support]
     return float(((observed[support] - expected) ** 2 / expected).sum())
 
 
@@ -131,4 +131,37 @@ def test_emitted_tokens_follow_the_gguf_target(gguf_target, drafter, sampling):
     p1, p2 = gguf_laws(lm, cfg)
     assert 0 < sum(out.num_accepted) < N * 4, "the test needs both accepts and rejects"
     s1, s2 = chi2(first, p1), chi2(second, p2)
+    assert s1 < CRITICAL and s2 < CRITICAL, f"chi2 first={s1:.1f} second={s2:.1f} (critical {CRITICAL})"
+
+
+M = 4_000  # rounds of one row each: the chain's length then depends on that row's own draws
+
+
+def test_a_head_that_ends_its_own_chains_keeps_the_target_law(pair, head):
+    """On the CPU the head ends a chain after the token past which one more is not worth its price
+    (`DraftHeadDrafter._ends`): the decision reads the tokens drawn so far only, so every emitted token still follows
+    p. One row a round (in a batch the rows' mean decides), M rounds at temperature 1 with K = 4 and costs under
+    which chains of 1, 2 and 3 tokens all occur; the first and second emitted tokens against the exact laws."""
+    from flashspec_core.gamma import CostModel
+
+    target, draft = pair
+    engine = Engine.from_models(target, [draft, "prompt_lookup", head], kernel_backend="torch")
+    drafter, costs, cfg = engine.drafters["draft_head"], CostModel(), SAMPLINGS["t1"]
+    for n in range(1, 8):
+        costs.observe(n, 0.010 + 0.002 * (n - 1))
+    drafter.costs, drafter.step_s = costs, 0.001
+    gen, first, second, lengths = torch.Generator().manual_seed(9), [], [], []
+    for _ in range(M):
+        rows = [list(PROMPT)]
+        engine._start(rows, cfg, gen)
+        out = engine._round(rows, drafter, 4, cfg, gen)
+        lengths.append(len(out.draft))
+        emitted = rows[0][len(PROMPT):]
+        if len(emitted) == 1:  # one token: the second comes from the next round
+            engine._round(rows, drafter, 4, cfg, gen)
+        first.append(rows[0][len(PROMPT)])
+        second.append(rows[0][len(PROMPT) + 1])
+    assert {1, 2, 3} <= set(lengths), f"chain lengths {sorted(set(lengths))}: the costs should vary them"
+    p1, p2 = exact_laws(target, cfg)
+    s1, s2 = chi2(torch.tensor(first), p1), chi2(torch.tensor(second), p2)
     assert s1 < CRITICAL and s2 < CRITICAL, f"chi2 first={s1:.1f} second={s2:.1f} (critical {CRITICAL})"

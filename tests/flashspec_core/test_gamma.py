@@ -3,7 +3,8 @@ import random
 
 import pytest
 
-from flashspec_core.gamma import Acceptance, CostModel, DraftCost, best_gamma, best_length, expected_tokens
+from flashspec_core.gamma import (Acceptance, CostModel, DraftCost, best_gamma, best_length, expected_tokens,
+                                  worth_another)
 
 
 def test_expected_tokens():
@@ -133,3 +134,17 @@ def test_calibration_scales_by_accepted_over_expected_within_bounds():
     assert c.ratio == 1.5
     c.observe(3, 0.0)  # nothing expected: nothing learnt
     assert c.ratio == 1.5
+
+
+def test_worth_another_grows_a_chain_while_its_odds_pay_for_the_step_and_the_verify():
+    costs = CostModel()
+    assert worth_another([0.01], 0.01, costs, 0.001)  # nothing measured yet: no early end
+    for n in range(1, 10):
+        costs.observe(n, 0.007 + 0.0005 * (n - 1))  # a CPU's shape: 7 ms a step, 0.5 ms a token more
+    assert worth_another([0.9], 0.9, costs, 0.0005)  # confident: one more token pays
+    assert not worth_another([0.2], 0.2, costs, 0.0005)  # 4% for 1 ms more: it does not
+    assert worth_another([0.9, 0.81, 0.73], 0.9, costs, 0.0005)  # a confident streak goes on
+    # the break-even first-token probability rises with the step's price
+    def break_even(step_s):
+        return next(p / 100 for p in range(1, 101) if worth_another([p / 100], p / 100, costs, step_s))
+    assert break_even(0.0002) < break_even(0.001) < break_even(0.004)

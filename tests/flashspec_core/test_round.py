@@ -51,7 +51,10 @@ def drive(round_: DeviceRound, schedule, k: int, sampling: SamplingConfig, seed:
 def test_the_round_driven_directly_gives_the_engines_tokens(target, head, sampling):
     engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch")
     want = engine.generate(PROMPT, 24, sampling=sampling, gamma=3, drafters=["draft_head"], seed=5).token_ids
-    rows = drive(fresh_round(target, head), lambda i: "draft_head", 3, sampling, 5, 24)
+    round_ = fresh_round(target, head)
+    mine, theirs = round_.drafters["draft_head"], engine.drafters["draft_head"]
+    mine.costs, mine.step_s = theirs.costs, theirs.step_s  # the engine's head ends its chains by its measured costs
+    rows = drive(round_, lambda i: "draft_head", 3, sampling, 5, 24)
     assert rows[0][len(PROMPT):len(PROMPT) + 24] == want
 
 
@@ -230,3 +233,21 @@ def test_calibration_streams_leave_no_trace_in_what_drafters_remember(target, he
     assert engine.policy.calibrated and set(engine.policy.draft_costs) == set(engine.drafters)
     ngram, lookup = engine.drafters["ngram_cache"], engine.drafters["prompt_lookup"]
     assert ngram.index.stream == [] and ngram.odds.buckets == fresh and lookup.odds.buckets == fresh
+
+
+def test_the_head_ends_its_chains_by_its_measured_costs_once_it_has_them(target, head):
+    """On the CPU the head sets its own chain length (gamma "auto" hands it the largest K): all K tokens before its
+    costs are measured; with a draft step priced at ten target forwards, one token (the first is always drafted)."""
+    round_ = fresh_round(target, head)
+    drafter = round_.drafters["draft_head"]
+    assert drafter.sets_length
+    costs = CostModel()
+    for n in range(1, 10):
+        costs.observe(n, 0.007 + 0.0005 * (n - 1))
+    lengths = []
+    for step_s in (0.0, 0.07):
+        drafter.costs, drafter.step_s = costs, step_s
+        rows, gen = [list(PROMPT)], torch.Generator().manual_seed(0)
+        round_.start(rows, T1, gen, arms=list(round_.drafters))
+        lengths.append(len(round_.run(rows, drafter, 6, T1, gen).draft))
+    assert lengths == [6, 1]
