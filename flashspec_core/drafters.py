@@ -59,6 +59,7 @@ class Drafter:
     model_free = True  # proposals are a pure function of the context
     aux_layers: tuple[int, ...] = ()  # target layers whose input hidden states this drafter reads
     sets_length = False  # True: propose(rows, k) picks its own length <= k, so gamma "auto" hands it the largest k
+    step_s = 0.0  # such a drafter's measured seconds a draft token (the policy hands it over; 0 until measured)
     remembers = False  # True: keeps what it observed beyond a stream (model-free only: replayed from row 0's ids)
     guess: torch.Tensor | None = None  # [B] a hidden-state reader's first draft token at the current context
 
@@ -487,7 +488,6 @@ class DraftHeadDrafter(Drafter):
         self.waiting: list[torch.Tensor] = []  # features [B, n, F] of verified slots not yet through the first pass
         self.sets_length = self.device.type == "cpu"
         self.costs: CostModel | None = None  # the target's measured forward costs, handed over by the policy
-        self.step_s = 0.0  # this head's measured seconds a draft step (0: not measured yet, no early end)
 
     def bind(self, batch: int, capacity: int) -> "_Fixed":
         """Fixed buffers for a captured round (`flashspec_core.captured`): a cache of `capacity` slots that never
