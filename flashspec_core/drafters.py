@@ -588,11 +588,10 @@ class DraftHeadDrafter(Drafter):
             index, q = draw(logits, self.sampling, self.generator)
             tokens.append(self.ids[index])
             qs.append(q)
-            if i + 1 < k and self._ends(index, q, logits, survival):
+            if i + 1 == k or self._ends(index, q, logits, survival):
                 break
-            if i + 1 < k:
-                h = self.head.step(self.cache, tokens[-1][:, None], h)
-                logits = self.head.logits(h[:, -1], self.limit).float()
+            h = self.head.step(self.cache, tokens[-1][:, None], h)
+            logits = self.head.logits(h[:, -1], self.limit).float()
         self.cache.crop(verified)  # the draft slots go; the verified ones stay
         q = None if self.sampling.greedy else self._widen(torch.stack(qs, dim=1))
         return Proposal(torch.stack(tokens, dim=1), q)
