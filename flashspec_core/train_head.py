@@ -50,6 +50,7 @@ class TrainConfig:
     sampled_fraction: float = 0.5  # prompts that also get a sampled answer (half at temperature 0.7, half at 1)
     round_answers: int = 49152  # answers made in one pass (all temperatures at once), then saved as shards
     draft_vocab: int = 16384  # rows of the head's output layer
+    head_intermediate: int = 0  # the head's MLP width (0: the target's); wider than --init's, the new units start silent
     ttt_steps: int = 7  # draft passes unrolled per training step
     step_decay: float = 0.8  # loss weight of pass j: decay**j
     lr: float = 6e-4
@@ -330,7 +331,7 @@ def optimizer(head: DraftHead, cfg: TrainConfig, folder: Path | None = None) -> 
     opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = load_shards(folder, "opt") if folder is not None else {}
     for name, p in params.items():
-        if f"{name}.exp_avg" in state:
+        if f"{name}.exp_avg" in state and state[f"{name}.exp_avg"].shape == p.shape:  # a widened MLP starts fresh
             opt.state[p] = {"step": state["step"].clone(), "exp_avg": state[f"{name}.exp_avg"].to(p.device),
                             "exp_avg_sq": state[f"{name}.exp_avg_sq"].to(p.device)}
     return opt
@@ -545,6 +546,8 @@ def describe(corpus: Corpus, head: DraftHead, cfg: TrainConfig) -> dict:
 
 def new_head(model, corpus: Corpus, cfg: TrainConfig, eos_ids) -> DraftHead:
     head_cfg = HeadConfig.for_target(model.config, min(cfg.draft_vocab, model.config.vocab_size))
+    if cfg.head_intermediate:
+        head_cfg = replace(head_cfg, intermediate_size=cfg.head_intermediate)
     head = DraftHead(head_cfg, model.get_input_embeddings().weight).to(next(model.parameters()).device)
     head.set_draft_vocab(draft_vocabulary(corpus, head_cfg.draft_vocab_size, head_cfg.vocab_size, eos_ids))
     return head
@@ -628,8 +631,27 @@ def start_head(args, cfg: TrainConfig, model, corpus: Corpus, ckpt: Path, eos) -
         shipped = load_checkpoint(init, model)[0] if (init / "meta.json").exists() else \
             load_head(init, model.config, model.get_input_embeddings().weight, head.d2t.device)
         keep = {n: t for n, t in shipped.state_dict().items() if n not in ("lm_head.weight", "d2t", "t2d")}
-        head.load_state_dict(keep, strict=False)
+        head.load_state_dict(widened(keep, head.state_dict()), strict=False)
     return head, {"target": cfg.target, "train": asdict(cfg), "curve": [], "seconds": {}, "init": args.init}
+
+
+def widened(state: dict, into: dict) -> dict:
+    """`state` (a trained head's weights) fitted to a head whose MLP is as wide or wider (`into`, its fresh weights):
+    the trained units keep their weights, the new gate/up rows keep their fresh ones and the new down columns are
+    zero, so the wider head computes what the trained one did and its new units start silent."""
+    out = {}
+    for name, t in state.items():
+        fresh = into[name]
+        if t.shape == fresh.shape:
+            out[name] = t
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")) and t.shape[1:] == fresh.shape[1:] \
+                and t.shape[0] < fresh.shape[0]:
+            out[name] = torch.cat([t.to(fresh.dtype), fresh[t.shape[0]:]])
+        elif name.endswith("down_proj.weight") and t.shape[0] == fresh.shape[0] and t.shape[1] < fresh.shape[1]:
+            out[name] = torch.cat([t.to(fresh.dtype), fresh.new_zeros(fresh.shape[0], fresh.shape[1] - t.shape[1])], 1)
+        else:
+            raise ValueError(f"--init's {name} {tuple(t.shape)} does not fit this head's {tuple(fresh.shape)}")
+    return out
 
 
 def moments_from(args, ckpt: Path) -> Path | None:

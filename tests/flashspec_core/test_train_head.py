@@ -251,6 +251,44 @@ def test_a_checkpoint_keeps_the_optimizers_moments_for_the_run_that_goes_on(tiny
     assert moments_from(argparse.Namespace(resume=False, init=None), tmp_path) is None
 
 
+def test_a_wider_head_from_init_starts_where_the_trained_one_is_and_trains_its_new_units(tiny, corpus, tmp_path):
+    """--set head_intermediate wider than --init's head: the trained units keep their weights and moments, the new
+    down columns start at zero (the same loss as the trained head, to rounding), and a step moves them."""
+    import argparse
+    from dataclasses import replace
+
+    from flashspec_core.train_head import moments_from, start_head
+
+    model, _ = tiny
+    head = new_head(model, corpus, CFG, [2])
+    opt = optimizer(head, CFG)
+    batch = pad(corpus, batches(corpus, corpus.split(False), CFG, random.Random(0))[0], CFG.max_len, "cpu")
+    for _ in range(3):
+        train_step(head, model, batch, CFG, opt, [p for p in head.parameters() if p.requires_grad])
+    meta = {"target": "tiny", "head": {**head.cfg.__dict__, "aux_layers": list(head.cfg.aux_layers)}, "steps": 3}
+    save_checkpoint(head, tmp_path / "ckpt", meta, opt)
+    wide_cfg = replace(CFG, head_intermediate=3 * head.cfg.intermediate_size)
+    args = argparse.Namespace(resume=False, init=str(tmp_path / "ckpt"))
+    wide, _ = start_head(args, wide_cfg, model, corpus, tmp_path / "new", [2])
+    I = head.cfg.intermediate_size
+    assert wide.cfg.intermediate_size == 3 * I
+    down = dict(wide.named_parameters())["midlayer.mlp.down_proj.weight"]
+    assert torch.equal(down[:, :I], dict(head.named_parameters())["midlayer.mlp.down_proj.weight"])
+    assert not down[:, I:].any()
+    with torch.no_grad():
+        assert torch.allclose(step_loss(wide, model, batch, wide_cfg), step_loss(head, model, batch, CFG), rtol=1e-5)
+    moved = optimizer(wide, wide_cfg, moments_from(args, tmp_path / "new"))
+    assert has_moments(moved) and down not in moved.state  # a widened weight starts its moments afresh
+    train_step(wide, model, batch, wide_cfg, moved, [p for p in wide.parameters() if p.requires_grad])
+    assert down[:, I:].abs().sum() > 0
+    export(wide, meta, tmp_path / "out")  # the engine drafts with it: its width comes from the shipped config
+    shipped = load_head(tmp_path / "out", model.config, model.get_input_embeddings().weight)
+    assert shipped.cfg.intermediate_size == 3 * I
+    engine = Engine.from_models(model, [shipped], tokenizer=tiny[1])
+    plain = engine.generate("Tell me about rivers.", 12, mode="plain").token_ids
+    assert engine.generate("Tell me about rivers.", 12, drafters=["draft_head"], gamma=3).token_ids == plain
+
+
 def test_init_takes_a_shipped_heads_trainable_weights_whatever_its_vocabulary(tiny, corpus, tmp_path):
     import argparse
 
