@@ -27,7 +27,7 @@ from flashspec_core.models import PRECISIONS, PUBLIC, LoadPolicy, load_policy, p
 from kernels import resolve_backend
 
 from components.background import on_engine_thread
-from components.settings import PairSpec
+from components.settings import DRAFT_SHAPES, PairSpec
 
 GIB = 1 << 30
 log = logging.getLogger(__name__)
@@ -197,16 +197,20 @@ def get_engine(spec: PairSpec, backend: str = "auto", progress=None) -> Slot:
     return ENGINES.get(spec, backend, progress)
 
 
+TREE_TOKENS = max(t.size for t in DRAFT_SHAPES.values() if t is not None) + 1  # the largest tree's verify
+
+
 def preload(spec: PairSpec, backend: str = "auto", warm: bool = True) -> Slot | None:
     """Load an engine, pin it, and (warm=True) warm it up (`Engine.warm_up`: its costs, and on a GPU every CUDA graph
-    a run can choose) and run two tokens through it, so that the first timed run does not pay the warm-up. A failure
-    is logged, not raised: the first run will then show it on the status line."""
+    a run can choose, the tree verifies of the draft shapes on offer included) and run two tokens through it, so
+    that the first timed run does not pay the warm-up. A failure is logged, not raised: the first run will then show
+    it on the status line."""
     try:
         slot = get_engine(spec, backend)
         ENGINES.pin(cache_key(spec, backend))
         if warm:
             with slot.lock:
-                seconds = on_engine_thread(slot.engine.warm_up)
+                seconds = on_engine_thread(slot.engine.warm_up, tree_tokens=TREE_TOKENS)
                 log.info("warmed up %s in %.1f s", spec.label, seconds)
                 on_engine_thread(slot.engine.generate, "Hello", max_new_tokens=2)
         return slot

@@ -382,6 +382,20 @@ class DeviceRound:
             count += self.captured.capture(self.shapes(sampling, max_context, max_gamma))
         return count
 
+    def warm_up_trees(self, max_context: int, tree_tokens: int) -> int:
+        """Capture the target's tree verifies of 2..tree_tokens slots over every context bucket up to max_context,
+        with the hidden-state readers a tree stream has (the head's: only it drafts trees), so that a tree stream's
+        start finds them; returns how many graphs were captured (0 without graphs)."""
+        if not hasattr(self.target, "capture"):
+            return 0
+        counts = range(2, min(tree_tokens, self.target.max_graph_tokens) + 1)
+        count = 0
+        for aux in {d.aux_layers for d in self.drafters.values() if d.aux_layers}:
+            self.target.aux_layers = aux
+            self.target.reset()
+            count += self.target.capture((), max_context=max_context, tree_counts=counts)
+        return count
+
     def shapes(self, sampling: SamplingConfig, max_context: int, max_gamma: int) -> list[Shape]:
         """Every shape a stream may run: the head's drafts and host ids at each K <= max_gamma, over every context
         bucket up to max_context, with the target's current hidden-state readers."""

@@ -213,3 +213,35 @@ def test_the_first_nodes_of_a_proposal_are_a_tree_with_their_tokens(tiny):
     cut = proposal.first(5)
     assert cut.tree.parents == proposal.tree.parents[:5] and cut.q is None
     assert torch.equal(cut.tokens, proposal.tokens[:, :5]) and torch.equal(cut.score, proposal.score[:, :5])
+
+
+def test_warm_up_asks_the_target_for_every_tree_verify_with_the_heads_readers(tiny, monkeypatch):
+    """Engine.warm_up(tree_tokens=N): the target captures tree verifies of 2..N slots (every context bucket up to
+    max_context) while it carries the head's hidden-state readers, as a tree stream does; without it, none."""
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch")
+    asked, capture = [], engine.target.capture
+    monkeypatch.setattr(engine.target, "capture", lambda counts=(), max_context=None, tree_counts=(): (
+        asked.append((engine.target.aux_layers, max_context, list(tree_counts))), capture(counts, max_context,
+                                                                                           tree_counts))[1])
+    engine.warm_up(128)
+    assert not any(trees for _, _, trees in asked)
+    engine.warm_up(128, tree_tokens=13)
+    assert (tuple(head.cfg.aux_layers), 128, list(range(2, 14))) in [(tuple(a), m, t) for a, m, t in asked]
+    result = engine.generate(PROMPT, 24, drafters=["draft_head"], tree=SIZES["width4"])
+    assert result.token_ids == engine.generate(PROMPT, 24, mode="plain").token_ids
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_tree_stream_after_warm_up_captures_nothing(tiny):
+    """On CUDA, Engine.warm_up(tree_tokens=13) captures the tree verifies a 12-node tree stream replays: the stream
+    adds no graph, and its greedy tokens are plain decoding's."""
+    from tests.flashspec_core.test_captured import cuda_engine
+
+    engine = cuda_engine(tiny, torch.float32)
+    engine.warm_up(256, tree_tokens=SIZES["width4"].size + 1)
+    graphs = len(engine.target.tree_graphs)
+    assert graphs > 0
+    result = engine.generate(PROMPT, 40, drafters=["draft_head"], tree=SIZES["width4"])
+    assert len(engine.target.tree_graphs) == graphs
+    assert result.token_ids == engine.generate(PROMPT, 40, mode="plain").token_ids
