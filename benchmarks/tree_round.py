@@ -34,7 +34,7 @@ TREES = (TreeSize(6, 2, 10), TreeSize(6, 4, 16), TreeSize(6, 4, 32), TreeSize(6,
 def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, seed: int, max_new: int) -> dict:
     """max_new tokens from ids by rounds of one kind: an int K (chain, 0 = plain) or a TreeSize."""
     round_, head = engine.round, engine.drafters["draft_head"]
-    rows, gen = [list(ids)], torch.Generator().manual_seed(seed)
+    rows, gen = [list(ids)], torch.Generator(device=engine.target.device).manual_seed(seed)  # as the engine
     s = StreamState(rows, sampling, "auto", "speculative", ["draft_head"], max_new, gen, None, tree=config)
     arms = ["draft_head"] if config else ["no_draft"]  # plain feeds no drafter, as the engine's plain mode
     tree = isinstance(config, TreeSize)
