@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from flashspec_core import native
 from flashspec_core.gguf_weights import GROUP, PACKED, GGUFFile, Int4Weight, Int8Weight, Q4_1Weight, int8_rows
 from flashspec_core.models import CausalLM
-from flashspec_core.tree import compaction
+from flashspec_core.tree import DraftTree, compaction
 from kernels import layer_ops as layer_ops_kernels
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -451,23 +451,49 @@ class StaticCausalLM:
         start = self.length
         keep = T if logits_to_keep <= 0 else min(logits_to_keep, T)
         S = self.bucket(start + T)
-        allowed = torch.zeros((T, S), dtype=torch.bool)  # built on the host: one copy to the device
-        allowed[:, :start] = True
-        allowed[:, start:start + T] = tree.ancestor_mask()
-        mask = torch.where(allowed.to(self.device), self.zero, self.neg_inf).repeat(self.n_heads // self.n_kv, 1)
         rope = tree.position_ids(start).to(self.device)  # [T] rotary positions: start + depth
+        if self._reads_paths(T):  # each node reads its path laid out as a chain: plain decoding's bits
+            mask, paths = self._causal_mask(rope, S), self._path_slots(tree, start, S)
+        else:
+            allowed = torch.zeros((T, S), dtype=torch.bool)  # built on the host: one copy to the device
+            allowed[:, :start] = True
+            allowed[:, start:start + T] = tree.ancestor_mask()
+            mask = torch.where(allowed.to(self.device), self.zero, self.neg_inf).repeat(self.n_heads // self.n_kv, 1)
+            paths = None
         if self.use_graphs and T <= self.max_graph_tokens and start > 0:
             self.static_ids[:, :T].copy_(ids)
             self.static_pos[:T].copy_(self.slots[start:start + T])
             self.static_rope[:T].copy_(rope)
-            graph, out, aux = self._tree_graph(T, S, mask)
+            graph, out, aux = self._tree_graph(T, S, mask, paths)
             graph.replay()
             logits, self.aux = out[:, T - keep:], None if aux is None else aux.clone()
         else:
-            logits, self.aux = self._layers(ids, rope, self.slots[start:start + T], mask, S, keep)
+            logits, self.aux = self._layers(ids, rope, self.slots[start:start + T], mask, S, keep, paths)
         self.length += T
         self.forwards += 1
         return logits[..., : self.vocab_size].to(torch.float32, copy=True)
+
+    def _reads_paths(self, T: int) -> bool:
+        """Whether a tree's forward over T slots runs the attention kernel with each node's own key layout (the CUDA
+        layer kernels, math attention): its chunked sums follow the keys' lanes, so a node reads its path where a
+        chain would have it and gets plain decoding's bits (the torch ops and the CPU paths read the tree mask)."""
+        return self.layer_ops != "torch" and self._loop is None and self._math(T)
+
+    def _math(self, T: int) -> bool:
+        """The math attention (the layer ops') for T tokens, else SDPA."""
+        return self.attention == "math" or (self.attention == "auto" and T <= self.max_graph_tokens)
+
+    def _causal_mask(self, positions: torch.Tensor, S: int) -> torch.Tensor:
+        """The additive mask [R*T, S] (row r * T + t) of tokens at positions [T] that see every slot up to theirs."""
+        visible = self.slots[:S][None, :] <= positions.repeat(self.n_heads // self.n_kv)[:, None]
+        return torch.where(visible, self.zero, self.neg_inf)
+
+    def _path_slots(self, tree, start: int, S: int) -> torch.Tensor:
+        """int32 [T, S]: the cache slot each tree slot reads as its key n: the context where it is, then its path
+        from the root down to itself at start, start + 1, ... (a chain's layout), and slot n past that (masked)."""
+        slots = self.slots[:S].to(torch.int32).repeat(tree.N + 1, 1)
+        slots[:, start:start + tree.max_depth + 1] = start + tree.path_table(self.device)
+        return slots
 
     @torch.inference_mode()
     def compact(self, kept: torch.Tensor) -> None:
@@ -522,8 +548,9 @@ class StaticCausalLM:
                     if (T, S, bool(self.aux_layers)) in (self.tree_graphs if tree else self.graphs):
                         continue
                     self.static_pos[:T].copy_(self.slots[S - T:S])
-                    if tree:
-                        self._tree_graph(T, S, self._chain_mask(T, S))
+                    if tree:  # any tree of T slots serves: a chain's mask and key slots
+                        paths = self._path_slots(DraftTree.chain(T - 1), S - T, S) if self._reads_paths(T) else None
+                        self._tree_graph(T, S, self._chain_mask(T, S), paths)
                     else:
                         self._capture(T, S)
                     count += 1
@@ -532,8 +559,7 @@ class StaticCausalLM:
     def _chain_mask(self, T: int, S: int) -> torch.Tensor:
         """The additive mask [R*T, S] of T tokens at static_pos[:T] (any mask of a tree's shape serves a capture)."""
         self.static_rope[:T].copy_(self.static_pos[:T])
-        visible = self.slots[:S][None, :] <= self.static_pos[:T].repeat(self.n_heads // self.n_kv)[:, None]
-        return torch.where(visible, self.zero, self.neg_inf)
+        return self._causal_mask(self.static_pos[:T], S)
 
     def _capture(self, T: int, S: int):
         """One forward of T tokens over S slots as a graph (the causal mask made inside from the positions)."""
@@ -542,16 +568,20 @@ class StaticCausalLM:
         self.graphs[(T, S, bool(self.aux_layers))] = (graph, out, aux)
         return graph, out, aux
 
-    def _tree_graph(self, T: int, S: int, mask: torch.Tensor):
+    def _tree_graph(self, T: int, S: int, mask: torch.Tensor, paths: torch.Tensor | None):
         """The graph of a tree's forward over T slots and S cache slots (captured the first time), with `mask` [R*T,
-        S] copied into the mask buffer it reads: (graph, logits, aux)."""
+        S] and the nodes' key slots `paths` (`_path_slots`, or None) copied into the buffers it reads: (graph,
+        logits, aux)."""
         key = (T, S, bool(self.aux_layers))
         if key not in self.tree_graphs:
-            ids, pos, rope, buffer = self.static_ids[:, :T], self.static_pos[:T], self.static_rope[:T], mask.clone()
-            graph, (out, aux) = self._captured(lambda: self._layers(ids, rope, pos, buffer, S, T))
-            self.tree_graphs[key] = (graph, out, aux, buffer)
-        graph, out, aux, buffer = self.tree_graphs[key]
-        buffer.copy_(mask)
+            ids, pos, rope = self.static_ids[:, :T], self.static_pos[:T], self.static_rope[:T]
+            buffers = (mask.clone(), None if paths is None else paths.clone())
+            graph, (out, aux) = self._captured(lambda: self._layers(ids, rope, pos, buffers[0], S, T, buffers[1]))
+            self.tree_graphs[key] = (graph, out, aux, buffers)
+        graph, out, aux, buffers = self.tree_graphs[key]
+        buffers[0].copy_(mask)
+        if paths is not None:
+            buffers[1].copy_(paths)
         return graph, out, aux
 
     def _captured(self, run):
@@ -585,8 +615,7 @@ class StaticCausalLM:
         and the residual adds into GEMV products (`_fused_layers`): 7 a layer, and the final norm into the LM head.
         """
         # GQA without repeating K/V: the R query heads of a kv head become R * T query rows (row r * T + t)
-        visible = self.slots[:S][None, :] <= pos.repeat(self.n_heads // self.n_kv)[:, None]  # [R*T, S]
-        return self._layers(ids, pos, pos, torch.where(visible, self.zero, self.neg_inf), S, keep)
+        return self._layers(ids, pos, pos, self._causal_mask(pos, S), S, keep)
 
     def _with_scratch(self, ids, rope, pos, mask, S: int, keep: int):
         """`_layers` with one scratch token more (see `_lone_tail`): at the slot after pos's last, past the cache's
@@ -602,11 +631,13 @@ class StaticCausalLM:
                                    torch.cat([pos, pos[-1:] + 1]), mask, wide, keep + 1)
         return logits[:, :-1], None if aux is None else aux[:, :-1]
 
-    def _layers(self, ids: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, S: int, keep: int):
+    def _layers(self, ids: torch.Tensor, rope: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, S: int, keep: int,
+                paths: torch.Tensor | None = None):
         """`_forward` under any mask: ids [B, T] rotated at positions rope [T], their K/V written to cache slots
         pos [T], attending over slots [0, S) through the additive mask [R*T, S] (row r * T + t: query head r of
         each kv head, token t). A chain has rope = pos and the causal mask; a tree's slot s has pos = length + s and
-        rope = length + its depth."""
+        rope = length + its depth, and either the tree's mask or (paths, `_path_slots`) its own key slots under the
+        causal mask of its rope position."""
         B, T = ids.shape
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
         R = H // KV  # query heads per kv head
@@ -620,9 +651,9 @@ class StaticCausalLM:
             x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps) if self.loop == "native" else self._rms_norm(x, self.norm)
             aux = torch.cat(aux, dim=-1).view(B, T, -1) if aux else None
             return linear(x, self.lm_head, self.lm_head_bias), aux
-        math = self.attention == "math" or (self.attention == "auto" and T <= self.max_graph_tokens)
+        math = self._math(T)
         if self.layer_ops == "fused":
-            return self._fused_layers(x, cos, sin, pos, mask, S, keep, math, (B, T, H, KV, D))
+            return self._fused_layers(x, cos, sin, pos, (mask, paths), S, keep, math, (B, T, H, KV, D))
         columns = self.columns
         aux = {}  # layer -> the residual stream entering it
         for i, layer in enumerate(self.layers):
@@ -632,14 +663,15 @@ class StaticCausalLM:
             # q, k, v heads side by side; HF's q * cos + rotate_half(q) * sin (sin carries the sign), k and v into
             # the cache at pos, q as [B, KV, R*T, D]
             q = self.ops.rope_and_cache(layer.qkv(h, columns), cos, sin, pos, self.kv_cache[i], (B, T, H, KV, D))
-            o = self._attend(q, self.k_cache[i][:, :, :S], self.v_cache[i][:, :, :S], mask, math, (B, T, H, KV, D))
+            o = self._attend(q, self.k_cache[i][:, :, :S], self.v_cache[i][:, :, :S], (mask, paths), math,
+                             (B, T, H, KV, D))
             _add_linear_(x, o, layer.o, layer.o_bias, columns)
             h = self._rms_norm(x, layer.post_norm)
             _add_linear_(x, self.ops.silu_mul(layer.gate_up(h, columns)), layer.down, layer.down_bias, columns)
         x = self._rms_norm(x.view(B, T, -1)[:, T - keep:], self.norm)
         return linear(x, self.lm_head, self.lm_head_bias, columns), self._stacked(aux, B, T)
 
-    def _fused_layers(self, x, cos, sin, pos, mask, S: int, keep: int, math: bool, shape):
+    def _fused_layers(self, x, cos, sin, pos, seen, S: int, keep: int, math: bool, shape):
         """`_layers`' loop for layer_ops="fused" over the residual stream x [B*T, hidden], 7 kernels a layer: the
         input norm inside the q/k/v product, rotary and cache write, attention (2), the o product adding into x,
         the post norm inside the gate/up product with SiLU * up, the down product adding into x; the final norm runs
@@ -652,7 +684,7 @@ class StaticCausalLM:
                 aux[i] = x.clone()
             q = ops.rope_and_cache(ops.norm_linear(x, layer.input_norm, self.eps, layer.qkv.weight), cos, sin, pos,
                                    self.kv_cache[i], shape)
-            o = self._attend(q, self.k_cache[i][:, :, :S], self.v_cache[i][:, :, :S], mask, math, shape)
+            o = self._attend(q, self.k_cache[i][:, :, :S], self.v_cache[i][:, :, :S], seen, math, shape)
             ops.add_linear_(x, o, layer.o)
             ops.add_linear_(x, ops.norm_gate_up_silu(x, layer.post_norm, self.eps, layer.gate_up.weight), layer.down)
         logits = ops.norm_linear(x.view(B, T, -1)[:, T - keep:], self.norm, self.eps, self.lm_head)
@@ -662,11 +694,13 @@ class StaticCausalLM:
         """The residual streams entering `aux_layers` (layer -> [B*T, hidden]) side by side, in aux order."""
         return torch.cat([aux[i] for i in self.aux_layers], dim=-1).view(B, T, -1) if aux else None
 
-    def _attend(self, q, k, v, mask, math: bool, shape) -> torch.Tensor:
-        """q [B, KV, R*T, D] over k, v [B, KV, S, D] with the additive mask [R*T, S] -> o [B*T, H*D] (token-major):
-        HF's eager attention (`layer_ops`) for decode and verify, SDPA beyond."""
+    def _attend(self, q, k, v, seen, math: bool, shape) -> torch.Tensor:
+        """q [B, KV, R*T, D] over k, v [B, KV, S, D] with seen = (the additive mask [R*T, S], the tokens' key slots
+        or None) -> o [B*T, H*D] (token-major): HF's eager attention (`layer_ops`) for decode and verify, SDPA
+        beyond."""
+        mask, paths = seen
         if math:
-            return self.ops.attention(q, k, v, mask, self.scaling, shape)
+            return self.ops.attention(q, k, v, mask, self.scaling, shape, paths)
         B, T, H, KV, D = shape
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
         return o.view(B, KV, H // KV, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)

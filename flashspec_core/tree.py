@@ -133,6 +133,15 @@ class DraftTree:
         table = [list(k) + [-1] * (width - len(k)) for k in self.children]
         return torch.tensor(table, dtype=torch.int64, device=device)
 
+    @functools.lru_cache(maxsize=8)
+    def path_table(self, device=None) -> torch.Tensor:
+        """[N+1, D+1] int32: row s lists slot s's path (0 = the root, i + 1 = node i) from the root down to s itself,
+        then j for the j-th entry past it: where a chain forward over that path would have put those tokens,
+        relative to the tree's first slot. Built once per device and shared: read it, do not write to it."""
+        table = [[0, *(n + 1 for n in self.path_to(s - 1))] if s else [0] for s in range(self.N + 1)]
+        width = self.max_depth + 1
+        return torch.tensor([row + list(range(len(row), width)) for row in table], dtype=torch.int32, device=device)
+
     def parent_slots(self, device=None) -> torch.Tensor:
         """[N] int64: the slot of each node's parent, i.e. where the target's (and the drafter's) law that the node
         is tested against sits: target_probs[:, tree.parent_slots()] is [B, N, V]."""

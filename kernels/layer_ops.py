@@ -82,10 +82,13 @@ def add_linear_torch_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) ->
     return x.addmm_(a, weight.t())
 
 
-def attention_torch(q, k, v, mask, scaling: float, shape) -> torch.Tensor:
+def attention_torch(q, k, v, mask, scaling: float, shape, slots=None) -> torch.Tensor:
     """q [B, KV, R*T, D] (row r * T + t) over k, v [B, KV, S, D] with the additive mask [R*T, S] -> o [B*T, H*D]
     (token-major, head kv * R + r: the o projection's input). HF's eager attention (scores * scaling + mask,
-    softmax in float32, rounded, @ v) in four ops: one GEMM scales and adds the mask (copied into its output)."""
+    softmax in float32, rounded, @ v) in four ops: one GEMM scales and adds the mask (copied into its output).
+    It reads the cache as laid out: `attention`'s slots (a per-token layout) are the kernel's alone."""
+    if slots is not None:
+        raise ValueError("attention_torch reads the cache as laid out (slots=None); per-token slots need the kernel")
     B, T, H, KV, D = shape
     q, k, v = q.reshape(B * KV, -1, D), k.reshape(B * KV, -1, D), v.reshape(B * KV, -1, D)
     scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scaling)  # [B*KV, R*T, S]
@@ -266,20 +269,22 @@ if triton is not None:
         tl.store(at, _round(y, dt).to(dt), mask=live)
 
     @triton.jit
-    def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, T, S, scaling, k_batch, k_head, k_slot,
-                               v_batch, v_head, v_slot, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-                               CHUNK: tl.constexpr, CHUNKS: tl.constexpr, WIDE: tl.constexpr):
+    def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, slot_ptr, part_ptr, T, S, scaling, k_batch, k_head,
+                               k_slot, v_batch, v_head, v_slot, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                               CHUNK: tl.constexpr, CHUNKS: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr):
         """One program per (batch row and kv head, token t, chunk c of CHUNK keys): the R query heads' softmax
         over the chunk's keys, unnormalised (its max, its sum, p @ v), into part [B*KV, T, CHUNKS, 16, D + 2].
-        The R rows are padded to 16 for the tensor cores; a token's rows never meet another token's."""
+        The R rows are padded to 16 for the tensor cores; a token's rows never meet another token's. GATHER: key
+        n of token t is the cache's slot slots[t, n] (slot_ptr, int32 [T, S]), else slot n."""
         bk, t, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, kvh = bk // KV, bk % KV
         r, d = tl.arange(0, 16), tl.arange(0, D)
         n = c * CHUNK + tl.arange(0, CHUNK)
         live, inside = r < R, n < S
+        at = tl.load(slot_ptr + t * S + n, mask=inside, other=0) if GATHER else n
         rows = r * T + t  # the mask's and q's row of query head r at token t
         q = tl.load(q_ptr + (bk * R * T + rows)[:, None] * D + d[None, :], mask=live[:, None], other=0.0).to(WIDE)
-        keys = tl.load(k_ptr + b * k_batch + kvh * k_head + n[:, None] * k_slot + d[None, :], mask=inside[:, None],
+        keys = tl.load(k_ptr + b * k_batch + kvh * k_head + at[:, None] * k_slot + d[None, :], mask=inside[:, None],
                        other=0.0)
         scores = tl.dot(q, tl.trans(keys.to(WIDE)), input_precision="ieee") * scaling
         scores += tl.load(mask_ptr + rows[:, None] * S + n[None, :], mask=live[:, None] & inside[None, :],
@@ -287,13 +292,13 @@ if triton is not None:
         scores = tl.where(live[:, None], scores, 0.0)  # padded rows: finite, never read
         best = tl.maximum(tl.max(scores, axis=1), -1e30)  # finite: a chunk with no visible key weighs exactly 0
         p = tl.exp(scores - best[:, None])
-        values = tl.load(v_ptr + b * v_batch + kvh * v_head + n[:, None] * v_slot + d[None, :], mask=inside[:, None],
+        values = tl.load(v_ptr + b * v_batch + kvh * v_head + at[:, None] * v_slot + d[None, :], mask=inside[:, None],
                          other=0.0)
         acc = tl.dot(p.to(values.dtype).to(WIDE), values.to(WIDE), input_precision="ieee")  # p rounded, as flash
-        at = part_ptr + ((bk * T + t) * CHUNKS + c) * 16 * (D + 2) + r * (D + 2)
-        tl.store(at[:, None] + d[None, :], acc, mask=live[:, None])
-        tl.store(at + D, best, mask=live)
-        tl.store(at + D + 1, tl.sum(p, axis=1), mask=live)
+        out = part_ptr + ((bk * T + t) * CHUNKS + c) * 16 * (D + 2) + r * (D + 2)
+        tl.store(out[:, None] + d[None, :], acc, mask=live[:, None])
+        tl.store(out + D, best, mask=live)
+        tl.store(out + D + 1, tl.sum(p, axis=1), mask=live)
 
     @triton.jit
     def _attention_merge_kernel(part_ptr, o_ptr, T, used, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
@@ -379,21 +384,28 @@ def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
     return heads // kv_heads <= 16 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def attention(q, k, v, mask, scaling: float, shape) -> torch.Tensor:
+def attention(q, k, v, mask, scaling: float, shape, slots=None) -> torch.Tensor:
     """`attention_torch` in two kernels (softmaxes over chunks of 64 keys, then merged; float32 throughout, so
     within a rounding of the torch ops, not their bits). k and v are slices [:, :, :S] of a cache whose capacity
-    (slots per head of their storage) fixes the merge's order."""
+    (slots per head of their storage) fixes the merge's order. slots (int32 [T, S], optional): token t reads the
+    cache's slot slots[t, n] as its key n, under mask row t; a draft tree's node reads its path laid out as a chain
+    would be (`StaticCausalLM.forward_tree`), so each key keeps its chunk and lane, and the node the bits of plain
+    decoding's token (the sums' order follows the lanes; masked keys add exact zeros)."""
     B, T, H, KV, D = shape
     S, R = k.shape[2], H // KV
     if not supported(H, KV, D) or k.stride(3) != 1 or v.stride(3) != 1:
         raise ValueError(f"the attention kernel needs at most 16 query heads a kv head and a power-of-two head size "
                          f">= 16 with unit stride, got {R} and {D}")
+    if slots is not None and (slots.shape != (T, S) or slots.dtype != torch.int32 or not slots.is_contiguous()):
+        raise ValueError(f"slots must be contiguous int32 [T, S] = [{T}, {S}], got {slots.dtype} {tuple(slots.shape)}")
     chunks = triton.next_power_of_2(triton.cdiv(k.stride(1) // k.stride(2), CHUNK))
     part = torch.empty(B * KV, T, chunks, 16, D + 2, dtype=torch.float32, device=q.device)
     used = triton.cdiv(S, CHUNK)
-    _attention_part_kernel[(B * KV, T, used)](q.contiguous(), k, v, mask.contiguous(), part, T, S, scaling,
+    _attention_part_kernel[(B * KV, T, used)](q.contiguous(), k, v, mask.contiguous(),
+                                              k if slots is None else slots, part, T, S, scaling,
                                               *k.stride()[:3], *v.stride()[:3], KV=KV, R=R, D=D, CHUNK=CHUNK,
-                                              CHUNKS=chunks, WIDE=tl.float32 if INTERPRETED else _TL[q.dtype])
+                                              CHUNKS=chunks, WIDE=tl.float32 if INTERPRETED else _TL[q.dtype],
+                                              GATHER=slots is not None)
     o = torch.empty(B * T, H * D, dtype=q.dtype, device=q.device)
     _attention_merge_kernel[(B * KV, T, R)](part, o, T, used, KV=KV, R=R, D=D, CHUNKS=chunks)
     return o

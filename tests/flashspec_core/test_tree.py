@@ -75,6 +75,14 @@ def test_attention_mask_sees_context_ancestors_and_self():
         assert {t for t in range(TREE.N + 1) if mask[node + 1, C + t]} == seen
 
 
+def test_path_table_lists_each_slots_path_from_the_root_then_the_slots_past_it():
+    # slot s (0 root, i + 1 node i): the slots from the root down to s at 0..depth, then depth + 1, ..., max_depth
+    assert TREE.path_table().tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 2, 2, 3], [0, 1, 3, 3], [0, 1, 4, 3],
+                                          [0, 2, 5, 3], [0, 1, 3, 6]]
+    assert TREE.path_table().dtype == torch.int32
+    assert DraftTree.chain(3).path_table().tolist() == [[0, 1, 2, 3]] * 4  # a chain: its own layout
+
+
 def test_position_ids_are_context_length_plus_depth():
     assert TREE.position_ids(10).tolist() == [10, 11, 11, 12, 12, 12, 13]
     assert TREE.position_ids(0, device="cpu").dtype == torch.int64

@@ -22,8 +22,12 @@ WIDE = DraftTree.full((3, 3, 3))  # 39 nodes: past max_graph_tokens, so float32 
 assert WIDE.N + 1 > MAX_GRAPH_TOKENS
 KINDS = ["hf-eager", "hf-sdpa", "static", "static-gguf", "static-gguf-ordered"]
 # max |logit| difference allowed against the chain: float32 differs in rounding only (measured <= 4e-6); the GGUF path
-# computes every token's row on its own, in the same order, so its tree and chain logits are equal bit for bit
-ATOL = {"hf-eager": 1e-4, "hf-sdpa": 1e-4, "static": 1e-4, "static-gguf": 0.0, "static-gguf-ordered": 0.0}
+# computes every token's row on its own, in the same order, so its tree and chain logits are equal bit for bit; so
+# do the CUDA layer kernels (run here by Triton's interpreter; "fused", whose products are row for row the same at any
+# width on the CPU too), each node's attention reading its path as a chain lays it out, up to max_graph_tokens slots
+# (past them SDPA reads the tree's mask, as on the "static" path)
+ATOL = {"hf-eager": 1e-4, "hf-sdpa": 1e-4, "static": 1e-4, "static-kernels": 0.0, "static-gguf": 0.0,
+        "static-gguf-ordered": 0.0}
 V, C, B = 97, 9, 2  # vocabulary (test_fast_path's TINY), context length, rows
 
 
@@ -33,12 +37,13 @@ def models(tmp_path_factory):
     from flashspec_core import native
     from tests.flashspec_core.test_gguf_weights import write_gguf
 
-    eager, sdpa, static = build(seed=3), build(seed=3), build(seed=3)
+    eager, sdpa, static, kernels = build(seed=3), build(seed=3), build(seed=3), build(seed=3)
     sdpa.config._attn_implementation = "sdpa"
     quantised = build(seed=8, std=0.3)
     gguf = write_gguf(quantised, tmp_path_factory.mktemp("tree") / "tiny.gguf")
     ordered = StaticCausalLM(quantised, max_len=64, gguf=gguf, attention="ordered") if native.load() else None
     return {"hf-eager": CausalLM(eager), "hf-sdpa": CausalLM(sdpa), "static": StaticCausalLM(static, max_len=64),
+            "static-kernels": StaticCausalLM(kernels, max_len=64, use_graphs=False, layer_ops="fused"),
             "static-gguf": StaticCausalLM(quantised, max_len=64, gguf=gguf, attention="sdpa"),
             "static-gguf-ordered": ordered}
 
@@ -64,8 +69,10 @@ def slot_path(tree: DraftTree, slot: int) -> list[int]:
 
 
 @pytest.mark.parametrize("tree", [DraftTree.full((2, 2)), TREE, WIDE], ids=["full-2x2", "hand-made", "wide-40"])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "static-kernels"])
 def test_every_slot_gets_the_logits_of_a_chain_over_its_path(models, kind, tree):
+    if kind == "static-kernels" and tree is WIDE:
+        pytest.skip("past max_graph_tokens the kernels' path runs SDPA, as 'static' does (slow under the interpreter)")
     lm = pick(models, kind)
     lm.reset()
     lm.aux_layers = (0, 1)

@@ -75,6 +75,39 @@ def test_attention_is_the_torch_ops_within_a_rounding_and_a_tokens_bits_do_not_d
     assert not torch.allclose(heads_swapped, o, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_token_reading_its_own_key_slots_gets_the_bits_of_those_keys_laid_out_in_order(device, dtype):
+    """slots [T, S]: a draft tree's node reads its path (context, then ancestors and itself, wherever they sit in
+    the cache) as a chain lays it out, so it gets plain decoding's bits; in float32 the tree's own mask over the cache
+    as it is gives other bits for some node (the chunked sums follow the keys' lanes)."""
+    from flashspec_core.tree import DraftTree
+
+    tree, C, S = DraftTree((-1, -1, 0, 0, 1, 2, 2, 4)), 100, 160
+    T = tree.N + 1
+    q, k, v, _, shape = attention_inputs(T, S, dtype, device)
+    B, _, H, KV, D = shape
+    R, depth = H // KV, torch.tensor((0,) + tree.depth, device=device)
+    slots = torch.arange(S, dtype=torch.int32, device=device).repeat(T, 1)
+    slots[:, C:C + tree.max_depth + 1] = C + tree.path_table(device)
+    chain = (torch.arange(S, device=device)[None, :] <= C + depth[:, None])  # token t sees its first C + depth + 1
+    mask = torch.where(chain, 0.0, float("-inf")).to(dtype).repeat(R, 1)
+    gathered = layer_ops.attention(q, k, v, mask, 0.125, shape, slots).view(B, T, H * D)
+    allowed = torch.zeros(T, S, dtype=torch.bool, device=device)
+    allowed[:, :C], allowed[:, C:C + T] = True, tree.ancestor_mask(device)
+    in_place = layer_ops.attention(q, k, v, torch.where(allowed, 0.0, float("-inf")).to(dtype).repeat(R, 1), 0.125,
+                                   shape).view(B, T, H * D)
+    differ = 0
+    for t in range(T):
+        laid = slots[t].long()
+        rows = torch.arange(R, device=device) * T + t
+        alone = layer_ops.attention(q[:, :, rows], k[:, :, laid], v[:, :, laid], mask[rows], 0.125, (B, 1, H, KV, D))
+        assert torch.equal(gathered[:, t], alone), t
+        differ += not torch.equal(in_place[:, t], alone)
+    assert differ > 0 or dtype == torch.bfloat16  # float32 shows it here; bfloat16's rounding of o mostly hides it
+    with pytest.raises(ValueError, match="int32"):
+        layer_ops.attention(q, k, v, mask, 0.125, shape, slots.long())
+
+
 def tiny_model(device, dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
