@@ -22,7 +22,8 @@
 #   r2:      stash part 2 (.carry/p2), the verify kernel's tests on CUDA
 #   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s;
 #            leading NAME=value words set that run's environment)
-#   t3:      assemble with part 3 (.carry/p3); benchmarks.tree_round (TREE_ARGS): chains against trees (issue 18)
+#   t3:      assemble with part 3 (.carry/p3); benchmarks.tree_exact (the forwards' and greedy trees' bits against plain
+#            decoding), then benchmarks.tree_round (TREE_ARGS): chains against trees (issue 18)
 #   step:    the layer-op kernels' tests on CUDA and one forward's kernels with the torch ops and with them
 #            (benchmarks.gpu_step --layer-ops torch triton); no GGUF needed
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
@@ -157,8 +158,9 @@ t3)  # assemble the GGUF with part 3 (.carry/p3), then chains against trees (TRE
   # --captured auto --tag h200": chains on CUDA graphs, trees eager with their target forward on graphs)
   assemble3
   touch /tmp/t3.start
+  timeout 200 python3 -m benchmarks.tree_exact 2>&1 | grep -v -i "loading weights\|de-quantizing" | tail -24
   timeout ${RUN_TIMEOUT:-500} python3 -m benchmarks.tree_round ${TREE_ARGS:-} 2>&1 | grep -v -i "loading weights\|de-quantizing" | tail -30
-  find benchmarks/results -name 'tree_round_cuda*' -newer /tmp/t3.start -exec cp {} "$OUT/" \; ;;
+  find benchmarks/results -name 'tree_*_cuda*' -newer /tmp/t3.start -exec cp {} "$OUT/" \; ;;
 step)  # issue 15's plain step: the layer-op kernels (tests, then the captured forward with and without them)
   python3 -m pytest tests/kernels/test_layer_ops.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_layer_ops_cuda.log" | tail -3
   python3 -m benchmarks.gpu_step --layer-ops torch triton --tokens 1 8 --context 512 --no-compile 2>&1 | tee "$OUT/gpu_step.log" | tail -30
