@@ -26,6 +26,10 @@ TREE = DraftTree((-1, -1, 0, 0, 1, 2, 2, 4, 5, 5, 7))  # branching, depth 5
 SHAPES = (TreeSize(6, 2, 10), TreeSize(6, 4, 16), TreeSize(6, 4, 32))
 
 
+def diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
 def forward_checks(lm, context: list[int]) -> list[dict]:
     """Max |logit difference| of each check (0 = the same bits), after `context` in the cache."""
     toks = torch.randint(0, lm.vocab_size, (1, 33), generator=torch.Generator().manual_seed(0)).to(lm.device)
@@ -39,15 +43,15 @@ def forward_checks(lm, context: list[int]) -> list[dict]:
         wide = lm.forward(toks[:, :T])
         lm.crop(L)
         chain = lm.forward_tree(toks[:, :T], DraftTree.chain(T - 1))
-        rows += [{"check": f"{T}-token verify vs one-token steps", "max_diff": (wide - steps[:, :T]).abs().max().item()},
-                 {"check": f"chain of {T} through forward_tree vs forward", "max_diff": (chain - wide).abs().max().item()}]
+        rows += [{"check": f"{T}-token verify vs one-token steps", "max_diff": diff(wide, steps[:, :T])},
+                 {"check": f"chain of {T} through forward_tree vs forward", "max_diff": diff(chain, wide)}]
     lm.crop(L)
     tree = lm.forward_tree(toks[:, :TREE.N + 1], TREE)
     worst = 0.0
     for s in range(TREE.N + 1):
         lm.crop(L)
         path = [0] + [n + 1 for n in TREE.path_to(s - 1)]
-        worst = max(worst, (tree[:, s] - lm.forward(toks[:, path])[:, -1]).abs().max().item())
+        worst = max(worst, diff(tree[:, s], lm.forward(toks[:, path])[:, -1]))
     rows.append({"check": f"{TREE.N}-node tree: each node vs a chain over its path", "max_diff": worst})
     lm.reset()
     return rows

@@ -50,7 +50,7 @@ class TrainConfig:
     sampled_fraction: float = 0.5  # prompts that also get a sampled answer (half at temperature 0.7, half at 1)
     round_answers: int = 49152  # answers made in one pass (all temperatures at once), then saved as shards
     draft_vocab: int = 16384  # rows of the head's output layer
-    head_intermediate: int = 0  # the head's MLP width (0: the target's); wider than --init's, the new units start silent
+    head_intermediate: int = 0  # the head's MLP width (0: the target's); past --init's, the new units start silent
     ttt_steps: int = 7  # draft passes unrolled per training step
     step_decay: float = 0.8  # loss weight of pass j: decay**j
     lr: float = 6e-4
