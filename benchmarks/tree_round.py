@@ -38,24 +38,37 @@ def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, see
     s = StreamState(rows, sampling, "auto", "speculative", ["draft_head"], max_new, gen, None, tree=config)
     arms = ["draft_head"] if config else ["no_draft"]  # plain feeds no drafter, as the engine's plain mode
     tree = isinstance(config, TreeSize)
-    round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=arms, captured=not tree,
-                 tree_tokens=config.size + 1 if tree else 0)  # graphs captured here, outside the timed rounds
-    forwards, t0 = 0, time.perf_counter()
+    captured = not tree or (sampling.greedy and not config.auto)  # greedy fixed trees: one graph a round
+    round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=arms, captured=captured,
+                 tree_tokens=config.size + 1 if tree else 0,
+                 tree=config if tree and captured else None)  # graphs captured here, outside the timed rounds
+    outs, t0 = [], time.perf_counter()
     while len(rows[0]) - len(ids) < max_new:
         room = max_new - (len(rows[0]) - len(ids)) - 1  # drafts that still fit
-        if isinstance(config, TreeSize):
-            if room > 0:  # tree "auto" sized as the engine sizes it (HostPolicy.tree_plan)
-                shape, nodes = engine.policy.tree_plan(s, "draft_head", replace(config, depth=min(config.depth, room)))
-                engine.policy.learn_acceptance(s, "draft_head", round_.run_tree(rows, head, shape, sampling, gen, nodes))
-            else:
-                round_.run(rows, engine.drafters["no_draft"], 0, sampling, gen)
+        if isinstance(config, TreeSize) and captured and room < config.depth:  # the stream's end: as the engine,
+            out = round_.run(rows, head, room, sampling, gen)  # a chain on its graph (a cut tree has none)
+        elif isinstance(config, TreeSize) and room > 0:  # tree "auto" sized as the engine sizes it (tree_plan)
+            shape, nodes = engine.policy.tree_plan(s, "draft_head", replace(config, depth=min(config.depth, room)))
+            out = round_.run_tree(rows, head, shape, sampling, gen, nodes)
+            engine.policy.learn_acceptance(s, "draft_head", out)
+        elif isinstance(config, TreeSize):
+            out = round_.run(rows, engine.drafters["no_draft"], 0, sampling, gen)
         else:
-            round_.run(rows, head if config else engine.drafters["no_draft"], min(config, room), sampling, gen)
-        forwards += 1
+            out = round_.run(rows, head if config else engine.drafters["no_draft"], min(config, room), sampling, gen)
+        outs.append(out)
     seconds = time.perf_counter() - t0
     new = rows[0][len(ids):len(ids) + max_new]
-    return {"tokens": len(new), "forwards": forwards, "tokens_per_forward": len(new) / forwards,
-            "tok_per_s": len(new) / seconds, "ids": new}
+    return {"tokens": len(new), "forwards": len(outs), "tokens_per_forward": len(new) / len(outs),
+            "tok_per_s": len(new) / seconds, "ids": new, **round_times(outs, seconds)}
+
+
+def round_times(outs: list, seconds: float) -> dict:
+    """Where a round's wall time goes (ms a round): drafting, the rest (verify, accept, roll back, update) and, on a
+    GPU, the device's time for the rest (well below the rest's wall time: the host is what the round waits on)."""
+    ms = lambda xs: 1e3 * mean(xs) if xs else None  # noqa: E731
+    device = [o.device_s for o in outs if o.device_s is not None]
+    return {"round_ms": 1e3 * seconds / len(outs), "draft_ms": ms([o.draft_s for o in outs]),
+            "rest_ms": ms([o.verify_s for o in outs]), "rest_device_ms": ms(device)}
 
 
 def name_of(config) -> str:
@@ -63,6 +76,19 @@ def name_of(config) -> str:
         return f"tree d{config.depth} k{config.top_k} auto<={config.size}"
     return f"tree d{config.depth} k{config.top_k} s{config.size}" if isinstance(config, TreeSize) else \
         ("plain" if config == 0 else f"chain {config}")
+
+
+def summarise(rows: list[dict]) -> dict:
+    """One config's rows (a prompt each) in means, and how many kept plain decoding's tokens."""
+    timed = {k: [r[k] for r in rows if r[k] is not None] for k in ("round_ms", "draft_ms", "rest_ms", "rest_device_ms")}
+    return {"tokens_per_forward": mean(r["tokens_per_forward"] for r in rows),
+            "tok_per_s": mean(r["tok_per_s"] for r in rows), "same_as_plain": sum(r["same_as_plain"] for r in rows),
+            **{k: mean(v) if v else None for k, v in timed.items()}}
+
+
+def times_cell(s: dict) -> str:
+    cell = f"{s['round_ms']:.2f}, {s['draft_ms']:.2f}, {s['rest_ms']:.2f}"
+    return cell + (f" ({s['rest_device_ms']:.2f})" if s["rest_device_ms"] is not None else "")
 
 
 def main(argv=None) -> int:
@@ -73,8 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--tag", default="")
     ap.add_argument("--captured", default="off", choices=["auto", "eager", "off"],
-                    help="the engine's captured rounds for the chains and plain rows (auto: CUDA graphs on a GPU; "
-                         "trees run eager rounds, their target forward replaying a graph per size)")
+                    help="the engine's captured rounds (auto: CUDA graphs on a GPU) for the chains, the plain rows and "
+                         "greedy fixed-size trees; tree auto runs eager rounds, its target forward replaying a graph")
     args = ap.parse_args(argv)
     engine = Engine.from_preset("embedded", precision=args.precision, captured=args.captured)
     engine.warm_up(1024)  # the measured costs that tree "auto" sizes its trees by, and the chains' graphs
@@ -89,13 +115,11 @@ def main(argv=None) -> int:
         for name, r in runs.items():
             r.update(prompt=p["kind"], config=name, same_as_plain=r["ids"] == runs["plain"]["ids"])
             rows.append(r)
-        print(f"{p['kind']:>16} " + "  ".join(f"{n} {r['tokens_per_forward']:.2f}" for n, r in runs.items()), flush=True)
+        print(f"{p['kind']:>16} " + "  ".join(f"{n} {r['tokens_per_forward']:.2f}" for n, r in runs.items()),
+              flush=True)
     env = environment()
     env.update(precision=engine.precision, temperature=args.temperature, captured=args.captured)
-    summary = {name_of(c): {"tokens_per_forward": mean(r["tokens_per_forward"] for r in rows if r["config"] == name_of(c)),
-                            "tok_per_s": mean(r["tok_per_s"] for r in rows if r["config"] == name_of(c)),
-                            "same_as_plain": sum(r["same_as_plain"] for r in rows if r["config"] == name_of(c))}
-               for c in configs}
+    summary = {name_of(c): summarise([r for r in rows if r["config"] == name_of(c)]) for c in configs}
     device = "cuda" if engine.target.device.type == "cuda" else "cpu"
     stem = f"tree_round_{device}_{engine.precision}" + (f"_t{args.temperature:g}" if args.temperature else "") + \
         (f"_{args.tag}" if args.tag else "")
@@ -104,14 +128,17 @@ def main(argv=None) -> int:
         {"command": "python -m benchmarks.tree_round " + " ".join(sys.argv[1:] if argv is None else argv), "env": env,
          "summary": summary, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}, indent=2))
     chain = summary[f"chain {CHAINS[-1]}"]["tokens_per_forward"]
-    print(f"\n{env['machine']}, precision {engine.precision}, temperature {args.temperature:g}, {len(prompts)} open prompts, "
+    print(f"\n{env['machine']}, precision {engine.precision}, temperature {args.temperature:g}, "
+          f"{len(prompts)} open prompts, "
           f"{args.max_new_tokens} tokens each\n")
     plain = summary["plain"]["tok_per_s"]
-    print("| config | tokens per target forward | vs chain 6 | tok/s | vs plain | same ids as plain |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| config | tokens per target forward | vs chain 6 | tok/s | vs plain | same ids as plain "
+          "| ms a round: all, draft, rest (its device time) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, s in summary.items():
-        print(f"| {name} | {s['tokens_per_forward']:.2f} | {s['tokens_per_forward'] / chain:.2f}x | {s['tok_per_s']:.1f} | "
-              f"{s['tok_per_s'] / plain:.2f}x | {s['same_as_plain']}/{len(prompts)} |")
+        print(f"| {name} | {s['tokens_per_forward']:.2f} | {s['tokens_per_forward'] / chain:.2f}x | "
+              f"{s['tok_per_s']:.1f} | {s['tok_per_s'] / plain:.2f}x | {s['same_as_plain']}/{len(prompts)} | "
+              f"{times_cell(s)} |")
     return 0
 
 

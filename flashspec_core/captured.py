@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from flashspec_core.drafters import DraftHeadDrafter, Proposal
 from flashspec_core.sampling import SamplingConfig, logits_to_probs_at, sampling_params
-from kernels import verify
+from kernels import verify, verify_tree
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Shape:
     S: int  # cache slots the target and the head attend over (the context bucket)
     greedy: bool
     observe: bool  # the verify forward's hidden states go through the head's first pass
+    tree: "TreeSize | None" = None  # the head drafts a greedy tree of this shape (K is its size), else a chain
 
 
 class CapturedRound:
@@ -107,6 +108,8 @@ class CapturedRound:
     @torch.inference_mode()
     def body(self, shape: Shape) -> torch.Tensor:
         """Draft, verify, accept test, pending token, host record, the head's update, the length: device work only."""
+        if shape.tree is not None:
+            return self.tree_body(shape)
         K, greedy = shape.K, shape.greedy
         guess = [self.head.fixed.guess] if shape.observe else []  # the head's guess at the pre-round context
         if shape.head:
@@ -125,6 +128,28 @@ class CapturedRound:
             self.head.observe_at(aux, result.tokens, kept, pos, shape.S)
         self.length.add_(kept + 1)
         return packed
+
+    def tree_body(self, shape: Shape) -> torch.Tensor:
+        """A greedy tree round (`tree_round.run_tree`'s, on the device): the head's tree (`propose_tree_at`), the
+        target's tree forward, the exact tree walk, the accepted path compacted in both caches, the pending token
+        and the length; returns `pack_tree`'s record plus a row of the tree's parents."""
+        proposal = self.head.propose_tree_at(shape.tree, self.length, shape.S)
+        tree, guess = proposal.tree, [self.head.fixed.guess] if shape.observe else []
+        logits, aux = self.target.forward_tree_at(torch.cat([self.pending, proposal.tokens], dim=1), tree,
+                                                  self.length, shape.S)
+        logits = logits[..., :self.target.vocab_size].float()  # [B, N+1, V]
+        result = verify_tree(tree, proposal.tokens, None, logits, greedy=True, backend=self.backend)
+        kept = result.num_accepted.min().view(1)
+        packed = pack_tree(result, logits.softmax(dim=-1), proposal.tokens, guess, tree)
+        path = F.pad(result.path + 1, (1, 0)).clamp_min(0)  # [B, D+1] tree slots: the root, the accepted nodes
+        self.target.compact_at(self.length + path, self.length)
+        self.pending.copy_(result.tokens.index_select(1, kept))
+        if shape.observe:
+            hidden = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))  # the kept slots' features
+            self.head.observe_at(hidden, result.tokens, kept, self.length + self.steps[:path.shape[1]], shape.S)
+        self.length.add_(kept + 1)
+        parents = F.pad(tree.parents.float()[None], (0, packed.shape[1] - tree.N))
+        return torch.cat([packed, parents], dim=0)
 
     @torch.inference_mode()
     def _capture(self, shape: Shape):
@@ -168,4 +193,22 @@ def pack(proposal: Proposal, p: torch.Tensor, result, guesses: list[torch.Tensor
     W = max(K + 2, guess.numel())
     parts = [torch.cat([result.num_accepted[:, None].float(), result.tokens.float()], dim=1),  # [B, K+2]
              torch.cat([p_draft, p_last])[None], q_draft[None], drafted.float()[None], guess[None]]
+    return torch.cat([F.pad(x, (0, W - x.shape[1])) for x in parts], dim=0)
+
+
+def pack_tree(result, p: torch.Tensor, drafted: torch.Tensor, guesses: list[torch.Tensor], tree) -> torch.Tensor:
+    """The tree round's host record in one float32 tensor [B + 3, W], copied to the host once.
+
+    Rows 0..B-1: [num_accepted, tokens (D + 1), path (D)]. Row B: row 0's p of every node's token (drafted [B, N])
+    at its parent's slot (N values), then p of its emitted token at the slot where its walk stopped. Row B+1: the
+    guesses' row 0. Row B+2: row 0's drafted tokens. p is [B, N+1, V]. Ids < 2^24 are exact in float32."""
+    n0 = result.num_accepted[:1]  # [1]
+    p_nodes = p[0].index_select(0, tree.parent_slots(p.device)).gather(-1, drafted[0][:, None]).squeeze(-1)  # [N]
+    last = result.path[0].gather(0, (n0 - 1).clamp(min=0))  # the last accepted node (if any)
+    stop = torch.where(n0 > 0, last + 1, torch.zeros_like(last))  # its slot, or the root's
+    p_last = p[0].index_select(0, stop).gather(-1, result.tokens[0].gather(0, n0)[:, None]).view(1)
+    guess = torch.stack([g[0] for g in guesses]).float() if guesses else p.new_zeros(0)
+    parts = [torch.cat([result.num_accepted[:, None], result.tokens, result.path], dim=1).float(),
+             torch.cat([p_nodes, p_last])[None], guess[None], drafted[:1].float()]
+    W = max(x.shape[1] for x in parts)
     return torch.cat([F.pad(x, (0, W - x.shape[1])) for x in parts], dim=0)

@@ -311,6 +311,16 @@ class DraftHead(nn.Module):
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self._finish(hidden, attended)
 
+    def step_tree_at(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,
+                     rope: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A tree level for a captured round: T new slots written at cache slots [T] (device), rotated at rope [T],
+        each attending where mask [T, S] (bool, over the cache's first S slots) allows: the verified slots, its
+        ancestors and itself. Fixed shapes, no host reads (torch ops: a draft's bits need not be a chain's)."""
+        q, k, v = self._qkv(tokens, hidden, rope)
+        keys, values = cache.write_at(k, v, slots, mask.shape[1])
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self._finish(hidden, attended)
+
     def _kernels(self, x: torch.Tensor) -> bool:
         """Whether the captured step and the logits' norm run `kernels.layer_ops`' Triton kernels ("auto": as the
         target chooses, `layer_ops.auto`; "fused" runs the same small kernels here, the products stay torch's)."""

@@ -30,7 +30,7 @@ from flashspec_core.draft_head import DraftHead, HeadCache
 from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length, worth_another
 from flashspec_core.models import CausalLM
 from flashspec_core.sampling import SamplingConfig, logits_to_probs, logits_to_probs_at, sample
-from flashspec_core.tree import DraftTree
+from flashspec_core.tree import DraftTree, TensorTree
 
 
 @dataclass(frozen=True)
@@ -575,6 +575,43 @@ class DraftHeadDrafter(Drafter):
                 logits = self.head.logits(h[:, -1], self.limit).float()
         return Proposal(torch.stack(tokens, dim=1), None if params is None else self._widen(torch.stack(qs, dim=1)))
 
+    def propose_tree_at(self, shape, length: torch.Tensor, S: int) -> TreeProposal:
+        """`propose_tree` (greedy) inside a captured round, from the fixed state: every level of fixed width (the
+        root's top_k children, then the top_k best of each level's top_k * top_k candidates expanded), the tree the
+        `size` best candidates by row 0's scores, all on the device: a `TensorTree` (depth and child bounds: the
+        shape's). Level l's nodes sit at head slots length + (l - 1) * top_k..., overwritten by `observe_at`."""
+        depth, k, size = shape.depth, shape.top_k, shape.size
+        w = min(k, size)  # the frontier's width below the root
+        seen = torch.zeros((1, 0), dtype=torch.bool, device=self.device)  # frontier x tree slots cached so far
+        h, logits = self.fixed.h, self.fixed.logits[:, None]  # [B, W, H], [B, W, V] (the root: W = 1)
+        frontier_score = logits.new_zeros(logits.shape[:2])
+        frontier_ids = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+        scores, parents, index = [], [], []
+        for level in range(1, depth + 1):
+            logq, child = logits.log_softmax(dim=-1).topk(k, dim=-1)  # [B, W, k] each
+            score = frontier_score[..., None] + logq
+            first = sum(x.shape[1] for x in scores)  # the level's first candidate id
+            scores.append(score.flatten(1))
+            parents.append(frontier_ids.repeat_interleave(k))
+            index.append(child.flatten(1))
+            if level == depth:
+                break
+            chosen = score[0].flatten().sort(descending=True, stable=True).indices[:w]  # ties: the earlier first
+            seen = torch.cat([seen[chosen // k], torch.eye(w, dtype=torch.bool, device=self.device)], dim=1)
+            slots = length + (level - 1) * w + torch.arange(w, device=self.device)
+            h = self.head.step_tree_at(self.fixed.cache, self.ids[child.flatten(1)[:, chosen]], h[:, chosen // k],
+                                       slots, (length + level - 1).expand(w), self._tree_mask(seen, length, S))
+            logits = self.head.logits(h, self.limit).float()
+            frontier_score, frontier_ids = score.flatten(1)[:, chosen], first + chosen
+        return _ranked(torch.cat(scores, 1), torch.cat(parents), self.ids[torch.cat(index, 1)], size, depth, k)
+
+    def _tree_mask(self, seen: torch.Tensor, length: torch.Tensor, S: int) -> torch.Tensor:
+        """[W, S] bool: the verified slots (below length), then the tree slots at length + j where seen [W, n]."""
+        rel = self.fixed.cache.slots[:S] - length  # [S]
+        n = seen.shape[1]
+        tree = seen[:, rel.clamp(0, n - 1)] & ((rel >= 0) & (rel < n))[None, :]
+        return (rel < 0)[None, :] | tree
+
     @torch.inference_mode()
     def propose(self, rows, k):
         B = len(rows)
@@ -725,6 +762,18 @@ class DraftHeadDrafter(Drafter):
         node = {c: i for i, c in enumerate(order.tolist())}  # candidate id -> node index (one host sync)
         tree = DraftTree(tuple(node[p] if p >= 0 else -1 for p in parents[order].tolist()))
         return TreeProposal(tree, self.ids[index[:, order]], None, scores[:, order])
+
+
+def _ranked(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, size: int, depth: int,
+            width: int) -> TreeProposal:
+    """The `size` best candidates by row 0's scores [B, M] (candidate parents [M], -1 the root; tokens [B, M]) as a
+    tree numbered best first, on the device: a child never scores above its parent and ties go to the earlier
+    candidate, so every parent is kept and comes first."""
+    order = scores[0].sort(descending=True, stable=True).indices[:size]  # [N] candidate ids
+    node = torch.full_like(parents, -1).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    up = parents[order]
+    tree = TensorTree(torch.where(up >= 0, node[up.clamp_min(0)], up), depth, width)
+    return TreeProposal(tree, tokens[:, order], None, scores[:, order])
 
 
 @dataclass(frozen=True)

@@ -222,7 +222,8 @@ class Engine:
         drafters: names of the arms to use (default: all); one name = that drafter every round, several =
         a bandit over them and the no-draft arm. mode="plain" decodes one token a round through the same code.
         tree: a `TreeSize(depth, top_k, size)`: the draft head drafts a tree of that shape each time it is pulled
-        (`tree_round`; eager rounds: such a stream does not replay captured rounds). None: chains of K.
+        (`tree_round`: greedy trees of a fixed size run on the captured round where one applies, one graph a
+        round; sampled and auto-sized trees run eager rounds). None: chains of K.
         """
         sampling = SamplingConfig() if sampling is None else sampling
         if not isinstance(chat, bool):
@@ -308,9 +309,12 @@ class Engine:
         """Choose an arm and K, run a round, learn from it, yield its event."""
         self.calibrate()
         s.t_start = time.perf_counter()  # generation is lazy: the clock starts with the first round's prefill
+        captured_tree = s.tree is not None and s.sampling.greedy and not s.tree.auto  # one graph a tree round
         s.prefill_s = self.round.start(s.rows, s.sampling, s.generator,
                                        len(s.rows[0]) + s.max_new_tokens + s.max_gamma + 1, s.max_gamma, s.arms,
-                                       captured=s.tree is None, tree_tokens=s.tree.size + 1 if s.tree else 0)
+                                       captured=s.tree is None or captured_tree,
+                                       tree_tokens=s.tree.size + 1 if s.tree else 0,
+                                       tree=s.tree if captured_tree else None)
         ahead = None  # the next round, chosen (and maybe launched) before this one landed
         while s.produced < s.max_new_tokens:
             played, ahead = self._play(s, ahead)
@@ -331,7 +335,7 @@ class Engine:
         the host's work on this round overlaps the device's on the next. A round that drafts from the host's rows
         (the copy drafters) launches as soon as this one has landed and its drafter has learnt it, before the other
         drafters learn it, the policy learns from it and its event is built."""
-        if self.round.captured is None or not self.launch_ahead:
+        if self.round.captured is None or not self.launch_ahead or s.tree is not None:
             return self._play_now(s), None
         turn = self._launch(s, ahead or Turn(self.policy.choose(s)))
         ahead = Turn(self.policy.choose(s))
@@ -366,7 +370,8 @@ class Engine:
         """One round without captured rounds (eager, or a tree): chosen, run and landed at once."""
         arm, limit = self.policy.choose(s), self._limit(s)
         before, drafter = s.rows[0][:], self.drafters[arm]
-        if s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0:  # a tree, its depth cut to fit
+        tail = self.round.captured is not None and limit < getattr(s.tree, "depth", 0)  # no graph for a cut tree:
+        if s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0 and not tail:  # a chain then
             shape, nodes = self.policy.tree_plan(s, arm, replace(s.tree, depth=min(s.tree.depth, limit)))
             out = self.round.run_tree(s.rows, drafter, shape, s.sampling, s.generator, nodes)
         else:

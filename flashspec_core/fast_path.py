@@ -452,14 +452,7 @@ class StaticCausalLM:
         keep = T if logits_to_keep <= 0 else min(logits_to_keep, T)
         S = self.bucket(start + T)
         rope = tree.position_ids(start).to(self.device)  # [T] rotary positions: start + depth
-        if self._reads_paths(T):  # each node reads its path laid out as a chain: plain decoding's bits
-            mask, paths = self._causal_mask(rope, S), self._path_slots(tree, start, S)
-        else:
-            allowed = torch.zeros((T, S), dtype=torch.bool)  # built on the host: one copy to the device
-            allowed[:, :start] = True
-            allowed[:, start:start + T] = tree.ancestor_mask()
-            mask = torch.where(allowed.to(self.device), self.zero, self.neg_inf).repeat(self.n_heads // self.n_kv, 1)
-            paths = None
+        mask, paths = self._tree_reads(tree, start, rope, S)
         if self.use_graphs and T <= self.max_graph_tokens and start > 0:
             self.static_ids[:, :T].copy_(ids)
             self.static_pos[:T].copy_(self.slots[start:start + T])
@@ -472,6 +465,25 @@ class StaticCausalLM:
         self.length += T
         self.forwards += 1
         return logits[..., : self.vocab_size].to(torch.float32, copy=True)
+
+    def forward_tree_at(self, ids: torch.Tensor, tree, start: torch.Tensor, S: int):
+        """`forward_tree` inside a captured round: a `TensorTree`'s slots at cache slots start + s (start [1] on the
+        device), rotary positions start + depth, over slots [0, S); fixed shapes, no host reads. Returns the raw
+        logits [B, N+1, V_model] and the aux hidden states, as `_forward`; follow with `compact_at`."""
+        T = tree.check_ids(ids)
+        rope = tree.position_ids(start)
+        mask, paths = self._tree_reads(tree, start, rope, S)
+        return self._layers(ids, rope, start + self.slots[:T], mask, S, T, paths)
+
+    def _tree_reads(self, tree, start, rope: torch.Tensor, S: int):
+        """(mask, paths) of a tree forward at start (an int or a device tensor [1]): each node's path laid out as
+        a chain under the causal mask of its depth (`_reads_paths`), else the tree's mask over the cache."""
+        if self._reads_paths(tree.N + 1):  # each node reads its path laid out as a chain: plain decoding's bits
+            return self._causal_mask(rope, S), self._path_slots(tree, start, S)
+        T, rel = tree.N + 1, self.slots[:S] - start  # each key slot's place in the tree block (< 0: the context)
+        tree_part = tree.ancestor_mask().to(self.device)[:, rel.clamp(0, T - 1)] & ((rel >= 0) & (rel < T))[None, :]
+        allowed = (rel < 0)[None, :] | tree_part  # [T, S]
+        return torch.where(allowed, self.zero, self.neg_inf).repeat(self.n_heads // self.n_kv, 1), None
 
     def _reads_paths(self, T: int) -> bool:
         """Whether a tree's forward over T slots runs the attention kernel with each node's own key layout (the CUDA
@@ -492,8 +504,8 @@ class StaticCausalLM:
         """int32 [T, S]: the cache slot each tree slot reads as its key n: the context where it is, then its path
         from the root down to itself at start, start + 1, ... (a chain's layout), and slot n past that (masked)."""
         slots = self.slots[:S].to(torch.int32).repeat(tree.N + 1, 1)
-        slots[:, start:start + tree.max_depth + 1] = start + tree.path_table(self.device)
-        return slots
+        columns = (start + self.slots[:tree.max_depth + 1]).expand(tree.N + 1, -1)  # start may be a device tensor
+        return slots.scatter_(1, columns, (start + tree.path_table(self.device)).to(torch.int32))
 
     @torch.inference_mode()
     def compact(self, kept: torch.Tensor) -> None:
@@ -515,6 +527,17 @@ class StaticCausalLM:
                 kv[:, :, :, start:start + n] = kv.gather(3, index)
             self.widened = min(self.widened, start)
         self.length = start + n
+
+    @torch.inference_mode()
+    def compact_at(self, src: torch.Tensor, start: torch.Tensor) -> None:
+        """`compact` inside a captured round: cache slots src [B, n] (device) move to start + 0..n-1 (start [1]),
+        every row all n (past a row's accepted path they carry stale slots past the new length, which the next
+        forward writes before it reads). The length is the caller's (the round's device count, the host's own)."""
+        n = src.shape[1]
+        index = src[None, :, None, :, None].expand(2, self.batch, self.n_kv, n, self.head_dim)
+        for kv in self.kv_cache:  # [2, B, n_kv, capacity, D]: gathered into a new tensor first, so no overlap
+            kv.index_copy_(3, start + self.slots[:n], kv.gather(3, index))
+        self.widened = min(self.widened, self.length)  # the host's count at the round's start (the CPU's paths)
 
     def _fit_batch(self, B: int) -> None:
         """Reallocate for B rows when the batch changes, which an empty cache allows."""

@@ -140,12 +140,13 @@ class DeviceRound:
     # -- the two calls -------------------------------------------------------------------------------
     def start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
               max_context: int | None = None, max_gamma: int = MAX_AUTO_GAMMA, arms: list[str] | None = None,
-              captured: bool = True, tree_tokens: int = 0) -> float:
+              captured: bool = True, tree_tokens: int = 0, tree=None) -> float:
         """Prefill the target (all but the last token: each round feeds the pending token) and the drafters;
         returns the seconds it took. The target reports hidden states from here on only if one of `arms`
         (default: every drafter) reads them, and only they and the hidden-state readers are fed (`feed`).
-        captured=False: this stream runs eager rounds (tree rounds do); tree_tokens: the most slots a tree's
-        verify may take (graphs for 2..tree_tokens are captured now, not mid-stream)."""
+        captured=False: this stream runs eager rounds (sampled and auto-sized trees do); tree_tokens: the most slots
+        an eager tree's verify may take (graphs for 2..tree_tokens are captured now, not mid-stream); tree: the
+        `TreeSize` a captured stream's greedy tree rounds take (their graphs are captured now too)."""
         t0 = time.perf_counter()
         self.unlanded.clear()  # a round the last stream left in flight is dropped (its device work is queued first)
         self.unsettled = ([], 0, [])
@@ -155,7 +156,7 @@ class DeviceRound:
         readers = [self.drafters[a] for a in (arms or self.drafters)]
         self.target.aux_layers = next((d.aux_layers for d in readers if d.aux_layers), ())
         self.target.reset()
-        self._capture(len(rows), sampling, max_context, max_gamma, captured, tree_tokens)
+        self._capture(len(rows), sampling, max_context, max_gamma, captured, tree_tokens, tree)
         hidden = None
         if len(rows[0]) > 1:
             self.target.forward(torch.tensor([r[:-1] for r in rows], device=self.device), logits_to_keep=1)
@@ -176,13 +177,16 @@ class DeviceRound:
 
     def run_tree(self, rows: list[list[int]], drafter: DraftHeadDrafter, shape, sampling: SamplingConfig,
                  generator, nodes=None) -> RoundOutput:
-        """One round that verifies a draft tree of `shape` (`tree_round.TreeSize`) from the head; eager rounds only
-        (a round built with captured="off", or on the CPU)."""
-        if self.captured is not None:
-            raise ValueError("tree rounds run eagerly: build the round with captured='off'")
-        from flashspec_core.tree_round import run_tree
+        """One round that verifies a draft tree of `shape` (`tree_round.TreeSize`) from the head: eager, or on a
+        captured round (greedy, every node verified: `nodes` None) as one graph."""
+        from flashspec_core.tree_round import run_tree, run_tree_captured
 
-        return run_tree(self, rows, drafter, shape, sampling, generator, nodes)
+        if self.captured is None:
+            return run_tree(self, rows, drafter, shape, sampling, generator, nodes)
+        if not sampling.greedy or nodes is not None or drafter is not self.captured.head:
+            raise ValueError("a captured round verifies greedy trees of a fixed size from its own head: build the "
+                             "round with captured='off' for sampled or auto-sized trees")
+        return run_tree_captured(self, rows, drafter, shape)
 
     def feed(self, rows: list[list[int]], arms: list[str] | None) -> None:
         """Choose the drafters the stream starting at `rows` keeps current: its arms (default: every drafter) and the
@@ -339,14 +343,14 @@ class DeviceRound:
         return [name for name, d in self.drafters.items() if d.aux_layers and d.guess is not None]
 
     def _capture(self, batch: int, sampling: SamplingConfig, max_context: int | None, max_gamma: int,
-                 captured: bool = True, tree_tokens: int = 0) -> None:
+                 captured: bool = True, tree_tokens: int = 0, tree=None) -> None:
         """CUDA graphs: captured once per shape, kept on each model and on the captured round (a no-op without
         graphs). Builds the captured round where it applies (`captured`) and is wanted."""
         self.captured = self._captured_round(batch) if captured else None
         if not max_context:
             return
         if self.captured is not None:
-            self.captured.capture(self.shapes(sampling, max_context, max_gamma))
+            self.captured.capture(self.shapes(sampling, max_context, max_gamma, tree))
             return
         for lm in [self.target] + [d.lm for d in self.drafters.values() if isinstance(d, DraftModel)]:
             if hasattr(lm, "capture"):
@@ -396,13 +400,16 @@ class DeviceRound:
             count += self.target.capture((), max_context=max_context, tree_counts=counts)
         return count
 
-    def shapes(self, sampling: SamplingConfig, max_context: int, max_gamma: int) -> list[Shape]:
+    def shapes(self, sampling: SamplingConfig, max_context: int, max_gamma: int, tree=None) -> list[Shape]:
         """Every shape a stream may run: the head's drafts and host ids at each K <= max_gamma, over every context
-        bucket up to max_context, with the target's current hidden-state readers."""
+        bucket up to max_context, with the target's current hidden-state readers; and the head's greedy trees of
+        shape `tree` (a `TreeSize`) where one is given."""
         observe, head = bool(self.target.aux_layers), self.captured.head is not None
         buckets = [S for S in self.target.buckets if S <= self.target.bucket(max_context)]
-        return [Shape(h, K, S, sampling.greedy, observe) for S in buckets for K in range(max_gamma + 1)
-                for h in ((False, True) if observe and head and K else (False,)) if S >= K + 1]
+        trees = [Shape(True, tree.nodes, S, True, True, tree) for S in buckets if S > tree.nodes] \
+            if tree is not None and observe and head and sampling.greedy else []
+        return trees + [Shape(h, K, S, sampling.greedy, observe) for S in buckets for K in range(max_gamma + 1)
+                        for h in ((False, True) if observe and head and K else (False,)) if S >= K + 1]
 
     def sync(self) -> None:
         if self.device.type == "cuda":

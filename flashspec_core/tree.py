@@ -186,6 +186,64 @@ class DraftTree:
         return torch.cat([root, nodes], dim=1)
 
 
+@dataclass(frozen=True)
+class TensorTree:
+    """A draft tree whose shape lives on the device: what a captured tree round verifies, the host never reading it
+    before the round ends. The node count N, the depth bound D and the child bound W are fixed (a graph keeps its
+    shapes); parents [N] int64 (-1: a child of the root; parents[i] < i) may change from round to round in place.
+    Its views are `DraftTree`'s (tested equal), each a few tensor ops with no host read."""
+    parents: torch.Tensor  # [N] int64 on the round's device
+    max_depth: int  # D >= every node's depth: paths are [B, D], -1 past a node's own depth
+    width: int  # W >= every slot's child count: child_table is [N+1, W]
+
+    @property
+    def N(self) -> int:
+        return self.parents.shape[0]
+
+    def ancestors(self) -> torch.Tensor:
+        """[N+1, D+1] int64 slots: column j is slot s's j-th ancestor (j = 0: s itself), 0 (the root) past it."""
+        up = torch.cat([self.parents.new_zeros(1), self.parents + 1])  # each slot's parent slot; the root's is 0
+        columns = [torch.arange(self.N + 1, device=self.parents.device)]
+        for _ in range(self.max_depth):
+            columns.append(up[columns[-1]])
+        return torch.stack(columns, dim=1)
+
+    def slot_depth(self) -> torch.Tensor:
+        """[N+1] int64: 0 for the root, then each node's depth."""
+        return (self.ancestors()[:, :-1] != 0).sum(dim=1)
+
+    def child_table(self, device=None) -> torch.Tensor:
+        """[N+1, W] int64: slot s's children (node indices, in node order), -1 padded."""
+        N, dev = self.N, self.parents.device
+        of = (self.parents + 1)[None, :] == torch.arange(N + 1, device=dev)[:, None]  # [N+1, N] node i of slot s
+        rank = of.cumsum(dim=1) - 1
+        column = torch.where(of & (rank < self.width), rank, torch.full_like(rank, self.width))
+        table = torch.full((N + 1, self.width + 1), -1, dtype=torch.int64, device=dev)
+        return table.scatter_(1, column, torch.arange(N, device=dev).expand(N + 1, N))[:, :self.width]
+
+    def path_table(self, device=None) -> torch.Tensor:
+        """[N+1, D+1] int32: `DraftTree.path_table`: slot s's path from the root down to s, then j past it."""
+        j = torch.arange(self.max_depth + 1, device=self.parents.device)
+        up = self.slot_depth()[:, None] - j[None, :]  # how far above s the path's entry j sits
+        path = self.ancestors().gather(1, up.clamp_min(0))
+        return torch.where(up >= 0, path, j[None, :]).to(torch.int32)
+
+    def ancestor_mask(self, device=None) -> torch.Tensor:
+        """[N+1, N+1] bool: [s, t] True when slot t is s or one of its ancestors (the root is everyone's)."""
+        mask = torch.zeros((self.N + 1, self.N + 1), dtype=torch.bool, device=self.parents.device)
+        return mask.scatter_(1, self.ancestors(), True)
+
+    def parent_slots(self, device=None) -> torch.Tensor:
+        return self.parents + 1
+
+    def position_ids(self, context_len, device=None) -> torch.Tensor:
+        """[N+1] int64: context_len (an int or a device tensor [1]) plus each slot's depth."""
+        return self.slot_depth() + context_len
+
+    def check_ids(self, ids: torch.Tensor) -> int:
+        return DraftTree.check_ids(self, ids)
+
+
 def compaction(kept: torch.Tensor, length: int) -> tuple[int, torch.Tensor]:
     """What a model path's `compact` moves: (start, index [B, n] int64 on the host) from kept cache positions
     [B, D+1] (`DraftTree.kept_slots`, -1 padded) in a cache of `length` tokens. Entry k of each row moves to

@@ -5,6 +5,12 @@ hidden states of the kept slots). Eager on every model path; one device-to-host 
 besides the one the head's drafting makes for the tree's shape (`DraftHeadDrafter._rerank`).
 
     run_tree(round, rows, drafter, TreeSize(depth, top_k, size), sampling, generator) -> RoundOutput
+    run_tree_captured(round, rows, drafter, TreeSize(...)) -> RoundOutput   greedy, on the captured round
+
+The captured version (`CapturedRound.tree_body`) does the same on the device with fixed shapes: the head's levels
+of fixed width (`DraftHeadDrafter.propose_tree_at`), the tree as device tensors (`tree.TensorTree`), the target's
+tree forward at the device length (`forward_tree_at`) and both caches compacted there (`compact_at`): one graph a
+round on a GPU, one host read.
 
 Rows advance together by the shortest accepted path plus one, as in the chain round. The RoundOutput reads as a
 chain: `draft` is row 0's accepted path, then the children of the node where its walk stopped (every one of them
@@ -16,14 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from flashspec_core.captured import Shape, pack_tree
 from flashspec_core.checks import is_int, shown
 from flashspec_core.drafters import DraftHeadDrafter
 from flashspec_core.gamma import MAX_GAMMA
 from flashspec_core.round import RoundTimer
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from flashspec_core.stream import DraftedTree, RoundOutput
+from flashspec_core.tree import DraftTree
 from kernels import verify_tree
 
 
@@ -41,6 +48,12 @@ class TreeSize:
                 raise ValueError(f"tree {name} must be an integer in 1..{MAX_GAMMA}, got {shown(value)}")
         if not isinstance(self.auto, bool):
             raise ValueError(f"tree auto must be True or False, got {shown(self.auto)}")
+
+    @property
+    def nodes(self) -> int:
+        """The nodes of a greedy tree of this shape: `size`, or the candidates its levels offer where fewer (the
+        root's top_k children, then top_k children of each of the min(top_k, size) nodes a level expands)."""
+        return min(self.size, self.top_k + (self.depth - 1) * min(self.top_k, self.size) * self.top_k)
 
 
 def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: TreeSize, sampling: SamplingConfig,
@@ -66,13 +79,9 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     shown = logits.softmax(dim=-1) if sampling.greedy else p
     timer.launched()
     host = pack_tree(result, shown, proposal.tokens, guesses, tree).tolist()  # the round's one device-to-host copy
-    B, D = len(rows), tree.max_depth
-    counts = [int(r[0]) for r in host[:B]]
-    tokens = [[int(t) for t in r[1:D + 2]] for r in host[:B]]
-    paths = [[int(x) for x in r[D + 2:2 * D + 2]] for r in host[:B]]
-    m, L = min(counts), len(rows[0])
-    for row, toks in zip(rows, tokens):  # accept
-        row.extend(toks[:m + 1])
+    B, L = len(rows), len(rows[0])
+    counts, tokens, paths = _accept(rows, host, tree.max_depth)
+    m = min(counts)
     kept = torch.tensor([[start] + [start + 1 + node for node in path[:m]] for path in paths])  # [B, m+1]
     target.compact(kept)  # roll back: the root and the first m accepted nodes of each row
     round_.pending = result.tokens[:, m:m + 1]
@@ -81,6 +90,42 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     round_._update(rows, L + m, hidden)
     nodes = [int(t) for t in host[B + 2][:tree.N]]
     return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], guessers, timer)
+
+
+def run_tree_captured(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: TreeSize) -> RoundOutput:
+    """`run_tree` on the captured round (greedy, every drafted node verified): the whole round is one graph
+    (`CapturedRound.tree_body`) whose record the host reads once, then accepts and lets the drafters learn."""
+    timer, c, target = RoundTimer(round_.device, round_.stream), round_.captured, round_.target
+    guessers = [drafter.name] if target.aux_layers and drafter.h is not None else []
+    N = shape.nodes
+    S = target.bucket(target.length + max(N + 1, shape.depth * min(shape.top_k, shape.size)))  # the verify's slots,
+    timer.drafted()  # the head's levels' slots (from the same start); the head drafts inside the round (verify_s)
+    packed = round_._to_host(c.run(Shape(True, N, S, True, bool(target.aux_layers), tree=shape)))
+    timer.launched()
+    if timer.cuda:
+        timer.end.synchronize()
+    host = packed.tolist()
+    B, L = len(rows), len(rows[0])
+    counts, tokens, paths = _accept(rows, host, shape.depth)
+    m = min(counts)
+    target.length += N + 1
+    target.crop(L + m)  # the device compacted the accepted path; the host's count follows
+    round_._update_captured(rows, L + m)
+    tree = DraftTree(tuple(int(x) for x in host[B + 3][:N]))
+    nodes = [int(t) for t in host[B + 2][:tree.N]]
+    return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], guessers, timer)
+
+
+def _accept(rows: list[list[int]], host: list[list[float]], D: int):
+    """Each row's accepted count, tokens (D + 1) and path (D) from the record's first rows (`pack_tree`); every row
+    takes the shortest accepted path and the token after it."""
+    B = len(rows)
+    counts = [int(r[0]) for r in host[:B]]
+    tokens = [[int(t) for t in r[1:D + 2]] for r in host[:B]]
+    paths = [[int(x) for x in r[D + 2:2 * D + 2]] for r in host[:B]]
+    for row, toks in zip(rows, tokens):
+        row.extend(toks[:min(counts) + 1])
+    return counts, tokens, paths
 
 
 def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, guessers, timer) -> RoundOutput:
@@ -97,21 +142,3 @@ def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, gues
                        verify_s, {name: int(g) for name, g in zip(guessers, guess_row)}, device_s,
                        tree=(tree.N, tree.max_depth),
                        drafted_tree=DraftedTree(tuple(nodes), tree.parents, tuple(path[:n])))
-
-
-def pack_tree(result, p: torch.Tensor, drafted: torch.Tensor, guesses: list[torch.Tensor], tree) -> torch.Tensor:
-    """The tree round's host record in one float32 tensor [B + 3, W], copied to the host once.
-
-    Rows 0..B-1: [num_accepted, tokens (D + 1), path (D)]. Row B: row 0's p of every node's token (drafted [B, N])
-    at its parent's slot (N values), then p of its emitted token at the slot where its walk stopped. Row B+1: the
-    guesses' row 0. Row B+2: row 0's drafted tokens. p is [B, N+1, V]. Ids < 2^24 are exact in float32."""
-    n0 = result.num_accepted[:1]  # [1]
-    p_nodes = p[0].index_select(0, tree.parent_slots(p.device)).gather(-1, drafted[0][:, None]).squeeze(-1)  # [N]
-    last = result.path[0].gather(0, (n0 - 1).clamp(min=0))  # the last accepted node (if any)
-    stop = torch.where(n0 > 0, last + 1, torch.zeros_like(last))  # its slot, or the root's
-    p_last = p[0].index_select(0, stop).gather(-1, result.tokens[0].gather(0, n0)[:, None]).view(1)
-    guess = torch.stack([g[0] for g in guesses]).float() if guesses else p.new_zeros(0)
-    parts = [torch.cat([result.num_accepted[:, None], result.tokens, result.path], dim=1).float(),
-             torch.cat([p_nodes, p_last])[None], guess[None], drafted[:1].float()]
-    W = max(x.shape[1] for x in parts)
-    return torch.cat([F.pad(x, (0, W - x.shape[1])) for x in parts], dim=0)

@@ -211,6 +211,44 @@ def test_every_shape_a_stream_runs_is_listed(tiny):
         c.run = original
 
 
+TREES = {"d3k2s4": (3, 2, 4), "d4k2s10": (4, 2, 10), "d6k4s16": (6, 4, 16), "d2k4s3": (2, 4, 3)}
+
+
+@pytest.mark.parametrize("shape", list(TREES))
+@pytest.mark.parametrize("drafters", [["draft_head"], None], ids=["head", "bandit"])
+def test_greedy_captured_trees_equal_plain(tiny, shape, drafters):
+    """Greedy trees on the captured round (`CapturedRound.tree_body`: the head's tree, the tree forward, the walk
+    and both caches compacted on the device) give plain decoding's tokens, alone and among the bandit's arms."""
+    from flashspec_core.tree_round import TreeSize
+
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
+                                captured="eager")
+    plain = engine.generate(PROMPT, 48, mode="plain").token_ids
+    result = engine.generate(PROMPT, 48, drafters=drafters, tree=TreeSize(*TREES[shape]))
+    assert engine.round.captured is not None
+    trees = [e for e in result.events if e.drafted_tree is not None]
+    assert result.token_ids == plain and trees
+    if drafters:  # the head alone (the bandit may pull it seldom)
+        assert sum(len(e.accepted) for e in trees) > 0, "the test needs accepted tree drafts"
+
+
+def test_a_captured_tree_round_drafts_and_accepts_as_an_eager_one(tiny):
+    """Round by round, the captured tree round (device tree drafting, device compaction) drafts the tree the eager
+    round drafts and accepts the same path (so the head's state after each round is the same)."""
+    from flashspec_core.tree_round import TreeSize
+
+    target, head = tiny
+    shape = TreeSize(4, 3, 9)
+    runs = {}
+    for mode in ("eager", "off"):
+        engine = Engine.from_models(target, [head], kernel_backend="torch", captured=mode)
+        events = engine.generate(PROMPT, 40, drafters=["draft_head"], tree=shape).events
+        runs[mode] = [(t.tokens, t.parents, t.accepted) for t in (e.drafted_tree for e in events) if t is not None]
+    # the captured stream's last rounds are chains where the stream's end cuts the depth (a cut tree has no graph)
+    assert runs["eager"] == runs["off"][:len(runs["eager"])] and len(runs["eager"]) > 3
+
+
 # -- on CUDA: the graphs themselves -------------------------------------------------------------------------------
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -238,6 +276,22 @@ def test_graphs_replay_every_round_and_keep_greedy_exact(tiny, dtype):
     assert c is not None and c.use_graphs and c.graphs and c.eager_rounds == 0
     eager = cuda_engine(tiny, dtype, captured="off")
     assert eager.generate(PROMPT, 48, mode="plain").token_ids == plain
+
+
+@cuda
+def test_greedy_tree_graphs_replay_every_round_and_keep_greedy_exact(tiny):
+    """Greedy fixed-size trees on a GPU: each tree round one graph (captured when the stream starts, a chain where
+    the stream's end cuts the depth) and the tokens plain decoding's."""
+    from flashspec_core.tree_round import TreeSize
+
+    engine = cuda_engine(tiny, torch.float32)
+    plain = engine.generate(PROMPT, 48, mode="plain").token_ids
+    for drafters in (["draft_head"], None):
+        result = engine.generate(PROMPT, 48, drafters=drafters, tree=TreeSize(4, 2, 8))
+        assert result.token_ids == plain, drafters
+        assert any(e.drafted_tree is not None for e in result.events)
+    c = engine.round.captured
+    assert c is not None and c.use_graphs and any(s.tree for s in c.graphs) and c.eager_rounds == 0
 
 
 @cuda
@@ -283,7 +337,7 @@ def test_emitted_tokens_follow_target_through_graphs(drafter):
 
 
 def test_the_captured_round_outlives_eager_streams_and_not_a_new_batch(tiny):
-    """A tree stream (eager rounds) keeps the captured round and its graphs for the next stream; a stream of
+    """A sampled tree stream (eager rounds) keeps the captured round and its graphs for the next stream; a stream of
     another batch reallocates the caches the graphs read, so the next one-row stream builds a new round."""
     from flashspec_core.tree_round import TreeSize
 
@@ -291,7 +345,7 @@ def test_the_captured_round_outlives_eager_streams_and_not_a_new_batch(tiny):
     engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
     engine.generate(PROMPT, 8)
     first = engine.round.captured
-    engine.generate(PROMPT, 8, tree=TreeSize(3, 2, 4))
+    engine.generate(PROMPT, 8, T1, tree=TreeSize(3, 2, 4))
     assert engine.round.captured is None
     engine.generate(PROMPT, 8)
     assert engine.round.captured is first

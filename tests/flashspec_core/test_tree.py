@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flashspec_core.tree import DraftTree
+from flashspec_core.tree import DraftTree, TensorTree
 
 # root -+- 0 -+- 2 --- 5
 #       |     +- 3
@@ -140,3 +140,31 @@ def test_a_static_trees_first_nodes_are_the_smaller_static_tree_and_their_priors
     prior = DraftTree.static_prior(6, 4, 32)
     assert len(prior) == 32 and prior == sorted(prior, reverse=True)
     assert prior[0] == pytest.approx(math.log(0.6)) and prior[1] == pytest.approx(2 * math.log(0.6))
+
+
+def random_trees(count: int, seed: int = 0):
+    """Trees of 1..40 nodes with random parents (each an earlier node or the root)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        N = int(torch.randint(1, 41, (1,), generator=g))
+        yield DraftTree(tuple(int(torch.randint(-1, i, (1,), generator=g)) for i in range(N)))
+
+
+@pytest.mark.parametrize("slack", [0, 2], ids=["tight", "loose"])
+def test_a_tensor_tree_gives_the_draft_trees_views(slack):
+    """TensorTree (the shape as device tensors, its bounds fixed) builds DraftTree's views without the host: the
+    same child table, path table, ancestor mask, positions and parent slots, padded past the true bounds."""
+    for tree in random_trees(30):
+        W = max(len(k) for k in tree.children)
+        t = TensorTree(torch.tensor(tree.parents), tree.max_depth + slack, W + slack)
+        D = tree.max_depth
+        assert t.N == tree.N and t.check_ids(torch.zeros((1, tree.N + 1), dtype=torch.long)) == tree.N + 1
+        table = t.child_table()
+        assert torch.equal(table[:, :W], tree.child_table()) and (table[:, W:] == -1).all()
+        paths = t.path_table()
+        assert torch.equal(paths[:, :D + 1], tree.path_table())
+        past = torch.arange(D + 1, D + 1 + slack, dtype=torch.int32)
+        assert torch.equal(paths[:, D + 1:], past.expand(tree.N + 1, -1))
+        assert torch.equal(t.ancestor_mask(), tree.ancestor_mask())
+        assert torch.equal(t.position_ids(torch.tensor([7])), tree.position_ids(7))
+        assert torch.equal(t.parent_slots(), tree.parent_slots())
