@@ -219,7 +219,8 @@ class TensorTree:
         rank = of.cumsum(dim=1) - 1
         column = torch.where(of & (rank < self.width), rank, torch.full_like(rank, self.width))
         table = torch.full((N + 1, self.width + 1), -1, dtype=torch.int64, device=dev)
-        return table.scatter_(1, column, torch.arange(N, device=dev).expand(N + 1, N))[:, :self.width]
+        table.scatter_(1, column, torch.arange(N, device=dev).expand(N + 1, N))
+        return table[:, :self.width].contiguous()  # the tree verify kernel reads rows of stride W
 
     def path_table(self, device=None) -> torch.Tensor:
         """[N+1, D+1] int32: `DraftTree.path_table`: slot s's path from the root down to s, then j past it."""

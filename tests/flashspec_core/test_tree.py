@@ -168,3 +168,27 @@ def test_a_tensor_tree_gives_the_draft_trees_views(slack):
         assert torch.equal(t.ancestor_mask(), tree.ancestor_mask())
         assert torch.equal(t.position_ids(torch.tensor([7])), tree.position_ids(7))
         assert torch.equal(t.parent_slots(), tree.parent_slots())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_tree_verifier_walks_a_tensor_tree_as_its_draft_tree(backend):
+    """kernels.verify_tree (greedy) on a TensorTree with loose bounds: the accepted count, the tokens and the path
+    of the DraftTree it holds (the path padded with -1 to the bound)."""
+    from kernels import verify_tree
+
+    g, accepted = torch.Generator().manual_seed(4), 0
+    for tree in random_trees(8, seed=5):
+        t = TensorTree(torch.tensor(tree.parents), tree.max_depth + 1, max(len(k) for k in tree.children) + 1)
+        V = 7
+        drafted = torch.randint(0, V, (3, tree.N), generator=g)
+        p = torch.randn(3, tree.N + 1, V, generator=g).softmax(-1)
+        for i, parent in enumerate(tree.parents):  # some nodes equal their parent slot's argmax: paths accepted
+            if i % 2 == 0:
+                drafted[:, i] = p[:, parent + 1].argmax(-1)
+        want = verify_tree(tree, drafted, None, p, greedy=True, backend=backend)
+        got = verify_tree(t, drafted, None, p, greedy=True, backend=backend)
+        assert torch.equal(got.num_accepted, want.num_accepted)
+        assert torch.equal(got.path[:, :tree.max_depth], want.path) and (got.path[:, tree.max_depth:] == -1).all()
+        assert torch.equal(got.tokens[:, :tree.max_depth + 1], want.tokens)
+        accepted += int(want.num_accepted.sum())
+    assert accepted > 0, "the test needs accepted paths"
