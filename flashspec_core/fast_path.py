@@ -367,7 +367,8 @@ class StaticCausalLM:
     def _allocate(self, batch: int) -> None:
         """(Re)allocate the caches and static inputs for `batch` rows; drops captured graphs."""
         shape = (2, batch, self.n_kv, self.capacity, self.head_dim)  # k and v of a layer in one tensor
-        self.kv_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.kv = torch.zeros((len(self.layers), *shape), dtype=self.dtype, device=self.device)  # all layers'
+        self.kv_cache = list(self.kv.unbind(0))  # per layer: views of one tensor (`compact_at` moves all at once)
         self.k_cache = [kv[0] for kv in self.kv_cache]  # views
         self.v_cache = [kv[1] for kv in self.kv_cache]
         # ordered attention's float32 copy of each layer's cache, keys transposed in blocks of 16 slots (pages are
@@ -533,10 +534,10 @@ class StaticCausalLM:
         """`compact` inside a captured round: cache slots src [B, n] (device) move to start + 0..n-1 (start [1]),
         every row all n (past a row's accepted path they carry stale slots past the new length, which the next
         forward writes before it reads). The length is the caller's (the round's device count, the host's own)."""
-        n = src.shape[1]
-        index = src[None, :, None, :, None].expand(2, self.batch, self.n_kv, n, self.head_dim)
-        for kv in self.kv_cache:  # [2, B, n_kv, capacity, D]: gathered into a new tensor first, so no overlap
-            kv.index_copy_(3, start + self.slots[:n], kv.gather(3, index))
+        n, L = src.shape[1], len(self.layers)
+        index = src[None, None, :, None, :, None].expand(L, 2, self.batch, self.n_kv, n, self.head_dim)
+        # [layers, 2, B, n_kv, capacity, D]: every layer in one gather (a new tensor first, so no overlap)
+        self.kv.index_copy_(4, start + self.slots[:n], self.kv.gather(4, index))
         self.widened = min(self.widened, self.length)  # the host's count at the round's start (the CPU's paths)
 
     def _fit_batch(self, B: int) -> None:
