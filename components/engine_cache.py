@@ -198,6 +198,7 @@ def get_engine(spec: PairSpec, backend: str = "auto", progress=None) -> Slot:
 
 
 TREE_TOKENS = max(t.size for t in DRAFT_SHAPES.values() if t is not None) + 1  # the largest tree's verify
+TREES = tuple(t for t in DRAFT_SHAPES.values() if t is not None)  # greedy fixed ones run as captured rounds
 
 
 def preload(spec: PairSpec, backend: str = "auto", warm: bool = True) -> Slot | None:
@@ -210,7 +211,7 @@ def preload(spec: PairSpec, backend: str = "auto", warm: bool = True) -> Slot | 
         ENGINES.pin(cache_key(spec, backend))
         if warm:
             with slot.lock:
-                seconds = on_engine_thread(slot.engine.warm_up, tree_tokens=TREE_TOKENS)
+                seconds = on_engine_thread(slot.engine.warm_up, tree_tokens=TREE_TOKENS, trees=TREES)
                 log.info("warmed up %s in %.1f s", spec.label, seconds)
                 on_engine_thread(slot.engine.generate, "Hello", max_new_tokens=2)
         return slot

@@ -275,15 +275,17 @@ class Engine:
         for name, d in self.drafters.items():
             d.recall(memories[name])
 
-    def warm_up(self, max_context: int = 2048, tree_tokens: int = 0) -> float:
+    def warm_up(self, max_context: int = 2048, tree_tokens: int = 0, trees=()) -> float:
         """Measure the machine's costs (`calibrate`) and, where rounds replay as CUDA graphs, capture every graph a
         stream of up to `max_context` tokens can choose (greedy and sampling, every K of gamma "auto", every
-        context bucket; with tree_tokens, the target's tree verifies of 2..tree_tokens slots too), so that streams
-        capture nothing; returns the seconds it took."""
+        context bucket; with tree_tokens, the target's tree verifies of 2..tree_tokens slots too, for eager trees;
+        with trees, `TreeSize`s, the captured greedy tree rounds of those of a fixed size), so that streams capture
+        nothing; returns the seconds it took."""
         t0 = time.perf_counter()
         self.calibrate()
+        fixed = [t for t in trees if not t.auto]
         for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
-            self.round.warm_up(sampling, max_context)
+            self.round.warm_up(sampling, max_context, trees=fixed if sampling.greedy else ())
         if tree_tokens:
             self.round.warm_up_trees(max_context, tree_tokens)
         return time.perf_counter() - t0

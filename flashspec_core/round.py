@@ -372,9 +372,10 @@ class DeviceRound:
                                         graphs=graphs and self.mode == "auto")
         return self._built
 
-    def warm_up(self, sampling: SamplingConfig, max_context: int, max_gamma: int = MAX_AUTO_GAMMA) -> int:
-        """Capture every shape a one-row stream up to max_context tokens can run (`shapes`), with the head reading
-        the verify's hidden states and without; returns how many graphs were captured (0 without graphs)."""
+    def warm_up(self, sampling: SamplingConfig, max_context: int, max_gamma: int = MAX_AUTO_GAMMA, trees=()) -> int:
+        """Capture every shape a one-row stream up to max_context tokens can run (`shapes`, and those of greedy
+        `trees`), with the head reading the verify's hidden states and without; returns how many graphs were
+        captured (0 without graphs)."""
         readers = {d.aux_layers for d in self.drafters.values() if d.aux_layers}
         count = 0
         for aux in [*readers, ()]:
@@ -383,7 +384,8 @@ class DeviceRound:
             self.captured = self._captured_round(1)
             if self.captured is None:
                 return 0
-            count += self.captured.capture(self.shapes(sampling, max_context, max_gamma))
+            count += self.captured.capture([shape for tree in (None, *trees)
+                                            for shape in self.shapes(sampling, max_context, max_gamma, tree)])
         return count
 
     def warm_up_trees(self, max_context: int, tree_tokens: int) -> int:

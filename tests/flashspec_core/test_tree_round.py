@@ -234,14 +234,17 @@ def test_warm_up_asks_the_target_for_every_tree_verify_with_the_heads_readers(ti
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_tree_stream_after_warm_up_captures_nothing(tiny):
-    """On CUDA, Engine.warm_up(tree_tokens=13) captures the tree verifies a 12-node tree stream replays: the stream
-    adds no graph, and its greedy tokens are plain decoding's."""
+    """On CUDA, Engine.warm_up(tree_tokens=13, trees=(a 12-node tree,)) captures what its streams replay: the
+    target's tree verifies (a sampled tree's eager rounds) and the captured greedy tree rounds; neither stream
+    adds a graph, and the greedy one gives plain decoding's tokens."""
     from tests.flashspec_core.test_captured import cuda_engine
 
-    engine = cuda_engine(tiny, torch.float32)
-    engine.warm_up(256, tree_tokens=SIZES["width4"].size + 1)
-    graphs = len(engine.target.tree_graphs)
-    assert graphs > 0
-    result = engine.generate(PROMPT, 40, drafters=["draft_head"], tree=SIZES["width4"])
-    assert len(engine.target.tree_graphs) == graphs
+    engine, shape = cuda_engine(tiny, torch.float32), SIZES["width4"]
+    engine.warm_up(256, tree_tokens=shape.size + 1, trees=(shape,))
+    graphs = lambda: (len(engine.target.tree_graphs), len(engine.round._built.graphs))  # noqa: E731
+    before = graphs()
+    assert before[0] > 0 and before[1] > 0
+    engine.generate(PROMPT, 40, SamplingConfig(temperature=1.0), drafters=["draft_head"], tree=shape)
+    result = engine.generate(PROMPT, 40, drafters=["draft_head"], tree=shape)
+    assert graphs() == before and engine.round._built.eager_rounds == 0
     assert result.token_ids == engine.generate(PROMPT, 40, mode="plain").token_ids
