@@ -503,19 +503,28 @@ def make_corpus(gen: Gen, cfg: TrainConfig, folder: Path, log=print) -> Corpus:
     jobs = [(p, 0.0) for p in prompts] + [(p, rng.choice((0.7, 1.0))) for p in prompts if rng.random() < cfg.sampled_fraction]
     rng.shuffle(jobs)
     share = cfg.follow_ups / max(1, len(jobs))
-    parts, made, t_answers = [], gen.tokens, time.monotonic()
-    for at in range(0, len(jobs), cfg.round_answers):
-        if time.monotonic() > deadline:
-            break
-        part, firsts = answer_all(gen, jobs[at:at + cfg.round_answers], cfg.max_new_tokens)
-        part = merge([part, follow_ups(gen, firsts, round(share * cfg.round_answers), cfg.max_new_tokens, rng)])
+    parts, made, t_answers, at = [], gen.tokens, time.monotonic(), 0
+    while at < len(jobs) and time.monotonic() < deadline:
+        n = round_size(cfg.round_answers, at, time.monotonic() - t_answers, deadline - time.monotonic())
+        part, firsts = answer_all(gen, jobs[at:at + n], cfg.max_new_tokens)
+        part = merge([part, follow_ups(gen, firsts, round(share * n), cfg.max_new_tokens, rng)])
         save_corpus(part, folder)
         parts.append(part)
+        at += n
         answers = sum(len(s) - b for p in parts for s, b in zip(p.sequences, p.starts))
         spent = time.monotonic() - t0
-        log(f"round {at // cfg.round_answers}: {sum(map(len, parts))} answers, {answers} answer tokens in {spent:.0f} s "
+        log(f"round {len(parts) - 1}: {sum(map(len, parts))} answers, {answers} answer tokens in {spent:.0f} s "
             f"({(gen.tokens - made) / (time.monotonic() - t_answers):.0f} new tokens/s answering); {gen.where_time_went()}")
     return merge(parts)
+
+
+def round_size(most: int, done: int, spent: float, left: float) -> int:
+    """Jobs for the next round of answers: `most`, or what the rate so far (done jobs in spent seconds) answers in
+    the seconds left of the data budget, so the last round ends near the deadline instead of a round past it. The
+    first round, at no known rate, takes a quarter of `most`."""
+    if done == 0:
+        return max(1, most // 4)
+    return max(1, min(most, int(done / max(spent, 1e-9) * left)))
 
 
 def banned_texts() -> list[str]:

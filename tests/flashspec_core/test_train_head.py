@@ -350,3 +350,14 @@ def test_step_profile_logs_the_ops_of_the_profiled_steps():
         assert (step >= StepProfile.FIRST + 1) == bool(lines)  # the table comes once the profiled steps are done
     assert all(line.startswith("profile: ") for line in lines) and any("aten::mm" in line for line in lines)
     assert StepProfile(0, lines.append).prof is None
+
+
+def test_a_round_of_answers_fits_the_data_budget_left():
+    """The first round takes a quarter of round_answers; later ones what the measured rate answers in the time
+    left (at least one, at most round_answers), so the data phase ends near its deadline, not a round past it."""
+    from flashspec_core.train_head import round_size
+
+    assert round_size(49152, 0, 0.0, 600.0) == 12288
+    assert round_size(49152, 12288, 90.0, 45.0) == 6144  # 136.5 jobs/s for 45 s
+    assert round_size(49152, 12288, 10.0, 600.0) == 49152
+    assert round_size(49152, 12288, 90.0, 0.001) == 1
