@@ -22,8 +22,8 @@
 #   r2:      stash part 2 (.carry/p2), the verify kernel's tests on CUDA
 #   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s;
 #            leading NAME=value words set that run's environment)
-#   t3:      assemble with part 3 (.carry/p3); benchmarks.tree_exact (the forwards' and greedy trees' bits against plain
-#            decoding), then benchmarks.tree_round (TREE_ARGS): chains against trees (issue 18)
+#   t3:      assemble with part 3 (.carry/p3); the tests in T3_TESTS (if set), benchmarks.tree_exact (the forwards' and
+#            greedy trees' bits against plain decoding), then benchmarks.tree_round (TREE_ARGS): chains against trees
 #   step:    the layer-op kernels' tests on CUDA and one forward's kernels with the torch ops and with them
 #            (benchmarks.gpu_step --layer-ops torch triton); no GGUF needed
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
@@ -158,6 +158,8 @@ t3)  # assemble the GGUF with part 3 (.carry/p3), then chains against trees (TRE
   # --captured auto --tag h200": chains on CUDA graphs, trees eager with their target forward on graphs)
   assemble3
   touch /tmp/t3.start
+  [ -n "${T3_TESTS:-}" ] && timeout ${T3_TEST_TIMEOUT:-200} python3 -m pytest ${T3_TESTS} -q -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest_t3_cuda.log" | tail -8  # e.g. the captured tree rounds' CUDA tests, with the GGUF here
   timeout 200 python3 -m benchmarks.tree_exact 2>&1 | grep -v -i "loading weights\|de-quantizing" | tail -24
   timeout ${RUN_TIMEOUT:-500} python3 -m benchmarks.tree_round ${TREE_ARGS:-} 2>&1 | grep -v -i "loading weights\|de-quantizing" | tail -30
   find benchmarks/results -name 'tree_*_cuda*' -newer /tmp/t3.start -exec cp {} "$OUT/" \; ;;
