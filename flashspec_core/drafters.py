@@ -577,9 +577,10 @@ class DraftHeadDrafter(Drafter):
 
     def propose_tree_at(self, shape, length: torch.Tensor, S: int) -> TreeProposal:
         """`propose_tree` (greedy) inside a captured round, from the fixed state: every level of fixed width (the
-        root's top_k children, then the top_k best of each level's top_k * top_k candidates expanded), the tree the
-        `size` best candidates by row 0's scores, all on the device: a `TensorTree` (depth and child bounds: the
-        shape's). Level l's nodes sit at head slots length + (l - 1) * top_k..., overwritten by `observe_at`."""
+        root's top_k children, then each level's w = min(top_k, size) best candidates expanded, top_k children
+        each), the tree the `size` best candidates by row 0's scores, all on the device: a `TensorTree` (depth and
+        child bounds: the shape's). Level l's nodes sit at head slots length + (l - 1) * w..., which `observe_at`
+        overwrites."""
         depth, k, size = shape.depth, shape.top_k, shape.size
         w = min(k, size)  # the frontier's width below the root
         seen = torch.zeros((1, 0), dtype=torch.bool, device=self.device)  # frontier x tree slots cached so far
@@ -758,22 +759,26 @@ class DraftHeadDrafter(Drafter):
     def _rerank(self, scores, parents, index, size: int) -> TreeProposal:
         """The `size` best candidates by row 0's scores (scores [B, M], parents by candidate id [M], draft-vocabulary
         index [B, M]) as a tree, numbered best first (ties: the earlier candidate, so a parent precedes its children)."""
-        order = scores[0].sort(descending=True, stable=True).indices[:size]
-        node = {c: i for i, c in enumerate(order.tolist())}  # candidate id -> node index (one host sync)
-        tree = DraftTree(tuple(node[p] if p >= 0 else -1 for p in parents[order].tolist()))
+        order, node_parents = _best_nodes(scores, parents, size)
+        tree = DraftTree(tuple(node_parents.tolist()))  # the shape on the host (one sync)
         return TreeProposal(tree, self.ids[index[:, order]], None, scores[:, order])
+
+
+def _best_nodes(scores: torch.Tensor, parents: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `size` best candidates by row 0's scores [B, M] (candidate parents [M], -1 the root), numbered best
+    first, on the device: their candidate ids [N] and each one's parent node [N] (-1 the root). A child never scores
+    above its parent and ties go to the earlier candidate, so every parent is kept and comes first."""
+    order = scores[0].sort(descending=True, stable=True).indices[:size]  # [N] candidate ids
+    node = torch.full_like(parents, -1).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    up = parents[order]
+    return order, torch.where(up >= 0, node[up.clamp_min(0)], up)
 
 
 def _ranked(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, size: int, depth: int,
             width: int) -> TreeProposal:
-    """The `size` best candidates by row 0's scores [B, M] (candidate parents [M], -1 the root; tokens [B, M]) as a
-    tree numbered best first, on the device: a child never scores above its parent and ties go to the earlier
-    candidate, so every parent is kept and comes first."""
-    order = scores[0].sort(descending=True, stable=True).indices[:size]  # [N] candidate ids
-    node = torch.full_like(parents, -1).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
-    up = parents[order]
-    tree = TensorTree(torch.where(up >= 0, node[up.clamp_min(0)], up), depth, width)
-    return TreeProposal(tree, tokens[:, order], None, scores[:, order])
+    """`_best_nodes` as a TreeProposal of a `TensorTree` (depth and child bounds given), tokens [B, M] by candidate."""
+    order, node_parents = _best_nodes(scores, parents, size)
+    return TreeProposal(TensorTree(node_parents, depth, width), tokens[:, order], None, scores[:, order])
 
 
 @dataclass(frozen=True)

@@ -372,8 +372,9 @@ class Engine:
         """One round without captured rounds (eager, or a tree): chosen, run and landed at once."""
         arm, limit = self.policy.choose(s), self._limit(s)
         before, drafter = s.rows[0][:], self.drafters[arm]
-        tail = self.round.captured is not None and limit < getattr(s.tree, "depth", 0)  # no graph for a cut tree:
-        if s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0 and not tail:  # a chain then
+        # on a captured round a tree whose depth the stream's end would cut has no graph: a chain then
+        tail = self.round.captured is not None and limit < getattr(s.tree, "depth", 0)
+        if s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0 and not tail:
             shape, nodes = self.policy.tree_plan(s, arm, replace(s.tree, depth=min(s.tree.depth, limit)))
             out = self.round.run_tree(s.rows, drafter, shape, s.sampling, s.generator, nodes)
         else:
