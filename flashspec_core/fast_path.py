@@ -368,7 +368,8 @@ class StaticCausalLM:
         """(Re)allocate the caches and static inputs for `batch` rows; drops captured graphs."""
         shape = (2, batch, self.n_kv, self.capacity, self.head_dim)  # k and v of a layer in one tensor
         self.kv = torch.zeros((len(self.layers), *shape), dtype=self.dtype, device=self.device)  # all layers'
-        self.kv_cache = list(self.kv.unbind(0))  # per layer: views of one tensor (`compact_at` moves all at once)
+        self.kv_cache = [self.kv[i] for i in range(len(self.layers))]  # per layer: views (not `unbind`'s, which
+        # autograd forbids writing in place outside no_grad); `compact_at` moves every layer at once
         self.k_cache = [kv[0] for kv in self.kv_cache]  # views
         self.v_cache = [kv[1] for kv in self.kv_cache]
         # ordered attention's float32 copy of each layer's cache, keys transposed in blocks of 16 slots (pages are
