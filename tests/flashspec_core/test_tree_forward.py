@@ -13,7 +13,7 @@ import torch
 
 from flashspec_core.fast_path import MAX_GRAPH_TOKENS, StaticCausalLM
 from flashspec_core.models import CausalLM, embedded_gguf
-from flashspec_core.tree import DraftTree, compaction
+from flashspec_core.tree import DraftTree, TensorTree, compaction
 from tests.flashspec_core.test_fast_path import build
 
 # root -+- 0 -+- 2 --- 5
@@ -105,6 +105,24 @@ def test_a_chain_tree_is_forward_exactly(models, kind):
     lm.crop(C)
     tree = lm.forward_tree(block, DraftTree.chain(K))
     assert torch.equal(tree, plain) and torch.equal(lm.aux, plain_aux)
+    lm.aux_layers = ()
+
+
+@pytest.mark.parametrize("kind", ["static", "static-kernels"])
+def test_the_device_tree_forward_gives_the_host_trees_bits(models, kind):
+    """forward_tree_at (a TensorTree with loose bounds, the start a device tensor: a captured round's) gives
+    forward_tree's logits and hidden states bit for bit, on the tree's mask and on the kernels' own key slots."""
+    lm = pick(models, kind)
+    lm.reset()
+    lm.aux_layers = (1,)
+    lm.forward(tokens((B, C), 3))
+    block = tokens((B, TREE.N + 1), 4)
+    want, want_aux = lm.forward_tree(block, TREE), lm.aux
+    lm.crop(C)
+    loose = TensorTree(torch.tensor(TREE.parents), TREE.max_depth + 2, 3)
+    with torch.inference_mode():  # as inside a captured round's body
+        got, aux = lm.forward_tree_at(block, loose, torch.tensor([C]), lm.bucket(C + TREE.N + 1))
+    assert torch.equal(got[..., :lm.vocab_size].float(), want) and torch.equal(aux, want_aux)
     lm.aux_layers = ()
 
 
