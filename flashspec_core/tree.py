@@ -208,9 +208,9 @@ class TensorTree:
             columns.append(up[columns[-1]])
         return torch.stack(columns, dim=1)
 
-    def slot_depth(self) -> torch.Tensor:
-        """[N+1] int64: 0 for the root, then each node's depth."""
-        return (self.ancestors()[:, :-1] != 0).sum(dim=1)
+    def slot_depth(self, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+        """[N+1] int64: 0 for the root, then each node's depth (from `ancestors()`, given or computed)."""
+        return ((self.ancestors() if ancestors is None else ancestors)[:, :-1] != 0).sum(dim=1)
 
     def child_table(self, device=None) -> torch.Tensor:
         """[N+1, W] int64: slot s's children (node indices, in node order), -1 padded."""
@@ -224,9 +224,9 @@ class TensorTree:
 
     def path_table(self, device=None) -> torch.Tensor:
         """[N+1, D+1] int32: `DraftTree.path_table`: slot s's path from the root down to s, then j past it."""
-        j = torch.arange(self.max_depth + 1, device=self.parents.device)
-        up = self.slot_depth()[:, None] - j[None, :]  # how far above s the path's entry j sits
-        path = self.ancestors().gather(1, up.clamp_min(0))
+        j, ancestors = torch.arange(self.max_depth + 1, device=self.parents.device), self.ancestors()
+        up = self.slot_depth(ancestors)[:, None] - j[None, :]  # how far above s the path's entry j sits
+        path = ancestors.gather(1, up.clamp_min(0))
         return torch.where(up >= 0, path, j[None, :]).to(torch.int32)
 
     def ancestor_mask(self, device=None) -> torch.Tensor:
