@@ -304,7 +304,7 @@ class DraftHead(nn.Module):
         (the verified slots, earlier new slots, and nothing stale: every slot below a query's position is current).
         The cache's `length` (a host count) is left to the caller."""
         if self._kernels(hidden):
-            return self._step_at_kernels(cache, tokens, hidden, pos, S)
+            return self._step_kernels(cache, tokens, hidden, pos, pos, cache.slots[:S][None, :] <= pos[:, None])
         q, k, v = self._qkv(tokens, hidden, pos)
         keys, values = cache.write_at(k, v, pos, S)
         mask = cache.slots[:S][None, :] <= pos[:, None]  # [T, S]
@@ -315,7 +315,9 @@ class DraftHead(nn.Module):
                      rope: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """A tree level for a captured round: T new slots written at cache slots [T] (device), rotated at rope [T],
         each attending where mask [T, S] (bool, over the cache's first S slots) allows: the verified slots, its
-        ancestors and itself. Fixed shapes, no host reads (torch ops: a draft's bits need not be a chain's)."""
+        ancestors and itself. Fixed shapes, no host reads (a draft's bits need not be a chain's)."""
+        if self._kernels(hidden):
+            return self._step_kernels(cache, tokens, hidden, slots, rope, mask)
         q, k, v = self._qkv(tokens, hidden, rope)
         keys, values = cache.write_at(k, v, slots, mask.shape[1])
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
@@ -329,11 +331,12 @@ class DraftHead(nn.Module):
             layer_ops.auto(x.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         return ops in ("triton", "fused")
 
-    def _step_at_kernels(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor,
-                         S: int) -> torch.Tensor:
-        """`step_at` with the norms, the rotary and cache write, the attention and SiLU * up as Triton kernels
-        (the target's `layer_ops`; the rotary's bits are `_rotate`'s, the rest within a rounding of the torch ops);
-        the products stay torch's."""
+    def _step_kernels(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,
+                      rope: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """`step_at` and `step_tree_at` with the norms, the rotary and cache write, the attention and SiLU * up as
+        Triton kernels (the target's `layer_ops`; the rotary's bits are `_rotate`'s, the rest within a rounding of
+        the torch ops); the products stay torch's. Tokens go to cache slots [T] at rotary positions rope [T] and
+        read the cache's first S slots where visible [T, S] (bool) allows."""
         layer, cfg = self.midlayer, self.cfg
         (B, T), H, KV, D = tokens.shape, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         shape = (B, T, H, KV, D)
@@ -343,10 +346,10 @@ class DraftHead(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat(self._product("qkv", x, attn.q_proj, attn.k_proj, attn.v_proj), dim=-1).view(B * T, -1)
         cos, sin = self._rope_table(cache.k.shape[2], x.dtype, x.device)
-        q = layer_ops.rope_and_cache(qkv, cos[pos], sin[pos], pos, cache.kv, shape)
-        visible = cache.slots[:S][None, :] <= pos.repeat(H // KV)[:, None]  # [R*T, S], row r * T + t
-        o = layer_ops.attention(q, cache.k[:, :, :S], cache.v[:, :, :S], torch.where(visible, 0.0, -math.inf),
-                                D ** -0.5, shape)
+        q = layer_ops.rope_and_cache(qkv, cos[rope], sin[rope], slots, cache.kv, shape)
+        S = visible.shape[1]
+        mask = torch.where(visible, 0.0, -math.inf).repeat(H // KV, 1)  # [R*T, S], row r * T + t
+        o = layer_ops.attention(q, cache.k[:, :, :S], cache.v[:, :, :S], mask, D ** -0.5, shape)
         h = hidden + self._product("o", o.view(B, T, -1), attn.o_proj)
         gate, up = self._product("gate_up", layer_ops.rms_norm(h, layer.post_attention_layernorm.weight,
                                                                cfg.rms_norm_eps), mlp.gate_proj, mlp.up_proj)

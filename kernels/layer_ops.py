@@ -432,7 +432,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     N = x.shape[-1]
-    rows = x.reshape(-1, N)  # a copy only where x is a strided view (the final norm's kept rows)
+    rows = x.reshape(-1, N).contiguous()  # a copy only where x is a strided view (the final norm's kept rows, an
+    # expanded row: the kernel steps N elements a row)
     out = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, N, eps, BLOCK=triton.next_power_of_2(N))
     return out.view(x.shape)

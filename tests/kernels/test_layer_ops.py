@@ -190,6 +190,61 @@ def test_the_draft_heads_captured_step_with_the_kernels_is_its_torch_step(device
     head.layer_ops = "auto"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_the_draft_heads_tree_step_with_the_kernels_is_its_torch_step(device, dtype, monkeypatch):
+    """A tree level (`step_tree_at`: slots, rotary positions and a mask of its own) on the kernels gives the torch
+    ops' outputs and cache: three siblings after a first pass over five slots, then two children of two of them."""
+    from flashspec_core.draft_head import HeadCache
+
+    calls, kernel = [], layer_ops.attention
+    monkeypatch.setattr(layer_ops, "attention", lambda *a, **k: calls.append(a[3].shape) or kernel(*a, **k))
+
+    _, head = tiny_pair(device)
+    head = head.to(dtype)
+    g = torch.Generator(device=device).manual_seed(6)
+    tokens = torch.randint(0, 50, (1, 5), generator=g, device=device)
+    hidden = torch.randn(1, 5, 32, generator=g, device=device).to(dtype)
+    S, slots = 16, torch.arange(16, device=device)
+    seen = torch.tensor([[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0],  # level 1 at slots 5-7
+                         [1, 0, 0, 1, 0], [0, 0, 1, 0, 1]], dtype=torch.bool, device=device)  # level 2 at 8, 9
+    mask = (slots < 5)[None, :] | torch.cat([torch.zeros(5, 5, dtype=torch.bool, device=device), seen,
+                                             torch.zeros(5, S - 10, dtype=torch.bool, device=device)], dim=1)
+    runs = {}
+    for ops in ("torch", "triton"):
+        head.layer_ops = ops
+        cache = HeadCache(head.cfg, 1, 64, device, dtype)
+        h = head.step_at(cache, tokens, hidden, torch.arange(5, device=device), S)
+        ids = torch.randint(0, 50, (1, 5), generator=torch.Generator(device=device).manual_seed(7), device=device)
+        one = head.step_tree_at(cache, ids[:, :3], h[:, -1:].expand(1, 3, -1), slots[5:8],
+                                torch.full((3,), 5, device=device), mask[:3])
+        two = head.step_tree_at(cache, ids[:, 3:], one[:, [0, 2]], slots[8:10], torch.full((2,), 6, device=device),
+                                mask[3:])
+        runs[ops] = (torch.cat([one, two], dim=1).float(), cache.kv[..., :10, :].float())
+    R = head.cfg.num_heads // head.cfg.num_kv_heads
+    assert calls == [(5 * R, S), (3 * R, S), (2 * R, S)]  # the "triton" run's three steps went through the kernel
+    for got, want in zip(runs["triton"], runs["torch"]):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        else:
+            assert float((got - want).norm() / want.norm()) < 0.02
+    head.layer_ops = "auto"
+
+
+def test_greedy_captured_trees_with_the_heads_step_on_the_kernels_equal_plain(device):
+    from flashspec_core import Engine
+    from flashspec_core.tree_round import TreeSize
+
+    target, head = tiny_pair(device)
+    head.layer_ops = "triton"
+    engine = Engine.from_models(target, [head], kernel_backend="torch", captured="eager")
+    prompt = [3, 17, 8, 29, 3, 17]
+    plain = engine.generate(prompt, 24, mode="plain").token_ids
+    result = engine.generate(prompt, 24, drafters=["draft_head"], tree=TreeSize(3, 2, 6))
+    assert result.token_ids == plain and any(e.drafted_tree is not None for e in result.events)
+    assert engine.round.captured is not None
+
+
 def test_greedy_with_the_heads_step_on_the_kernels_equals_plain(device):
     from flashspec_core import Engine
 
