@@ -583,11 +583,12 @@ class DraftHeadDrafter(Drafter):
         overwrites."""
         depth, k, size = shape.depth, shape.top_k, shape.size
         w = min(k, size)  # the frontier's width below the root
-        seen = torch.zeros((1, 0), dtype=torch.bool, device=self.device)  # frontier x tree slots cached so far
+        seen, column = self._tree_seen(length, S, (depth - 1) * w)
         h, logits = self.fixed.h, self.fixed.logits[:, None]  # [B, W, H], [B, W, V] (the root: W = 1)
         frontier_score = logits.new_zeros(logits.shape[:2])
         frontier_ids = torch.full((1,), -1, dtype=torch.int64, device=self.device)
         scores, parents, index = [], [], []
+        eye, span = torch.eye(w, dtype=torch.bool, device=self.device), torch.arange(w, device=self.device)
         for level in range(1, depth + 1):
             logq, child = chunked_topk(logits.log_softmax(dim=-1), k)  # [B, W, k] each
             score = frontier_score[..., None] + logq
@@ -598,20 +599,24 @@ class DraftHeadDrafter(Drafter):
             if level == depth:
                 break
             chosen = score[0].flatten().sort(descending=True, stable=True).indices[:w]  # ties: the earlier first
-            seen = torch.cat([seen[chosen // k], torch.eye(w, dtype=torch.bool, device=self.device)], dim=1)
-            slots = length + (level - 1) * w + torch.arange(w, device=self.device)
+            seen = seen[chosen // k]  # [w, n + 2]: each chosen node's ancestors; then itself
+            seen[:, (level - 1) * w:level * w] = eye
             h = self.head.step_tree_at(self.fixed.cache, self.ids[child.flatten(1)[:, chosen]], h[:, chosen // k],
-                                       slots, (length + level - 1).expand(w), self._tree_mask(seen, length, S))
+                                       length + (level - 1) * w + span, (length + level - 1).expand(w),
+                                       seen[:, column])
             logits = self.head.logits(h, self.limit).float()
             frontier_score, frontier_ids = score.flatten(1)[:, chosen], first + chosen
         return _ranked(torch.cat(scores, 1), torch.cat(parents), self.ids[torch.cat(index, 1)], size, depth, k)
 
-    def _tree_mask(self, seen: torch.Tensor, length: torch.Tensor, S: int) -> torch.Tensor:
-        """[W, S] bool: the verified slots (below length), then the tree slots at length + j where seen [W, n]."""
+    def _tree_seen(self, length: torch.Tensor, S: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a tree level's mask over the head cache's first S slots is read from, in one index a level: seen
+        [1, n + 2] bool (columns 0..n-1 the tree slots at length + j, which each level fills for its nodes; column n
+        True, the verified slots; n + 1 False, the slots past the tree) and column [S], each slot's column."""
         rel = self.fixed.cache.slots[:S] - length  # [S]
-        n = seen.shape[1]
-        tree = seen[:, rel.clamp(0, n - 1)] & ((rel >= 0) & (rel < n))[None, :]
-        return (rel < 0)[None, :] | tree
+        column = torch.where(rel < 0, n, torch.where(rel < n, rel, n + 1))
+        seen = torch.zeros((1, n + 2), dtype=torch.bool, device=self.device)
+        seen[:, n] = True
+        return seen, column
 
     @torch.inference_mode()
     def propose(self, rows, k):
