@@ -7,7 +7,7 @@ tok/s on the hand-written open prompts.
 For each prompt (through the chat template) the embedded model decodes --max-new-tokens tokens four ways from the
 same state, each through `DeviceRound` with its own arms (plain feeds no drafter): plain (K = 0), head chains of
 4 and 6 (`run`), and head trees (`run_tree`, `TREES`; "auto" sized each round by the engine's policy from this
-machine's measured costs), ignoring end-of-text so that every row makes the same number of tokens. Greedy rows must
+machine's measured costs, except on a captured round, where the engine verifies its bound), ignoring end-of-text so that every row makes the same number of tokens. Greedy rows must
 equal plain decoding token for token; at --temperature > 0 the rows are seeded samples (same seed per prompt).
 Writes JSON under benchmarks/results/ and prints a table. Numbers, not assertions.
 """
@@ -38,15 +38,18 @@ def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, see
     s = StreamState(rows, sampling, "auto", "speculative", ["draft_head"], max_new, gen, None, tree=config)
     arms = ["draft_head"] if config else ["no_draft"]  # plain feeds no drafter, as the engine's plain mode
     tree = isinstance(config, TreeSize)
-    captured = not tree or (sampling.greedy and not config.auto)  # greedy fixed trees: one graph a round
+    captured = not tree or sampling.greedy  # greedy trees: one graph a round (auto at its bound), as the engine
     round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=arms, captured=captured,
                  tree_tokens=config.size + 1 if tree else 0,
-                 tree=config if tree and captured else None)  # graphs captured here, outside the timed rounds
+                 tree=config.fixed if tree and captured else None)  # graphs captured here, outside the timed rounds
+    on_graph = tree and round_.captured is not None
     outs, t0 = [], time.perf_counter()
     while len(rows[0]) - len(ids) < max_new:
         room = max_new - (len(rows[0]) - len(ids)) - 1  # drafts that still fit
-        if isinstance(config, TreeSize) and captured and room < config.depth:  # the stream's end: as the engine,
+        if on_graph and room < config.depth:  # the stream's end: as the engine,
             out = round_.run(rows, head, room, sampling, gen)  # a chain on its graph (a cut tree has none)
+        elif on_graph:
+            out = round_.run_tree(rows, head, config.fixed, sampling, gen)
         elif isinstance(config, TreeSize) and room > 0:  # tree "auto" sized as the engine sizes it (tree_plan)
             shape, nodes = engine.policy.tree_plan(s, "draft_head", replace(config, depth=min(config.depth, room)))
             out = round_.run_tree(rows, head, shape, sampling, gen, nodes)
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--captured", default="off", choices=["auto", "eager", "off"],
                     help="the engine's captured rounds (auto: CUDA graphs on a GPU) for the chains, the plain rows and "
-                         "greedy fixed-size trees; tree auto runs eager rounds, its target forward replaying a graph")
+                         "greedy trees (tree auto at its bound: sized per round only without a captured round)")
     args = ap.parse_args(argv)
     engine = Engine.from_preset("embedded", precision=args.precision, captured=args.captured)
     engine.warm_up(1024)  # the measured costs that tree "auto" sizes its trees by, and the chains' graphs

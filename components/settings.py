@@ -40,7 +40,8 @@ LEG_DEFAULT_MODES = {"a": "plain", "b": "speculative"}  # the one-click default:
 CHAIN = "chain"
 # What the draft head drafts each round it is pulled: a chain of K, or a tree it verifies in one target forward
 # (TreeSize(depth, top_k, size): levels, children per expanded node, nodes kept; "tree auto" verifies the best
-# first n of 32 nodes, n chosen each round from the measured costs). Other drafters draft chains.
+# first n of 32 nodes, n chosen each round from the measured costs, except where greedy rounds are captured as
+# CUDA graphs: there it verifies all 32, one graph a round). Other drafters draft chains.
 DRAFT_SHAPES = {CHAIN: None, "tree 8": TreeSize(4, 2, 8), "tree 16": TreeSize(6, 4, 16), "tree 32": TreeSize(6, 4, 32),
                 "tree auto": TreeSize(6, 4, 32, auto=True)}
 

@@ -222,8 +222,9 @@ class Engine:
         drafters: names of the arms to use (default: all); one name = that drafter every round, several =
         a bandit over them and the no-draft arm. mode="plain" decodes one token a round through the same code.
         tree: a `TreeSize(depth, top_k, size)`: the draft head drafts a tree of that shape each time it is pulled
-        (`tree_round`: greedy trees of a fixed size run on the captured round where one applies, one graph a
-        round; sampled and auto-sized trees run eager rounds). None: chains of K.
+        (`tree_round`: greedy trees run on the captured round where one applies, one graph a round, an auto-sized
+        one at its bound, `TreeSize.fixed`; sampled trees, and auto-sized ones without a captured round, run eager
+        rounds, sized per round). None: chains of K.
         """
         sampling = SamplingConfig() if sampling is None else sampling
         if not isinstance(chat, bool):
@@ -279,11 +280,11 @@ class Engine:
         """Measure the machine's costs (`calibrate`) and, where rounds replay as CUDA graphs, capture every graph a
         stream of up to `max_context` tokens can choose (greedy and sampling, every K of gamma "auto", every
         context bucket; with tree_tokens, the target's tree verifies of 2..tree_tokens slots too, for eager trees;
-        with trees, `TreeSize`s, the captured greedy tree rounds of those of a fixed size), so that streams capture
+        with trees, `TreeSize`s, the captured greedy tree rounds of each one's fixed shape), so that streams capture
         nothing; returns the seconds it took."""
         t0 = time.perf_counter()
         self.calibrate()
-        fixed = [t for t in trees if not t.auto]
+        fixed = list(dict.fromkeys(t.fixed for t in trees))
         for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
             self.round.warm_up(sampling, max_context, trees=fixed if sampling.greedy else ())
         if tree_tokens:
@@ -311,12 +312,12 @@ class Engine:
         """Choose an arm and K, run a round, learn from it, yield its event."""
         self.calibrate()
         s.t_start = time.perf_counter()  # generation is lazy: the clock starts with the first round's prefill
-        captured_tree = s.tree is not None and s.sampling.greedy and not s.tree.auto  # one graph a tree round
+        captured_tree = s.tree is not None and s.sampling.greedy  # one graph a tree round (auto: at its bound)
         s.prefill_s = self.round.start(s.rows, s.sampling, s.generator,
                                        len(s.rows[0]) + s.max_new_tokens + s.max_gamma + 1, s.max_gamma, s.arms,
                                        captured=s.tree is None or captured_tree,
                                        tree_tokens=s.tree.size + 1 if s.tree else 0,
-                                       tree=s.tree if captured_tree else None)
+                                       tree=s.tree.fixed if captured_tree else None)
         ahead = None  # the next round, chosen (and maybe launched) before this one landed
         while s.produced < s.max_new_tokens:
             played, ahead = self._play(s, ahead)
@@ -375,8 +376,11 @@ class Engine:
         # on a captured round a tree whose depth the stream's end would cut has no graph: a chain then
         tail = self.round.captured is not None and limit < getattr(s.tree, "depth", 0)
         if s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0 and not tail:
-            shape, nodes = self.policy.tree_plan(s, arm, replace(s.tree, depth=min(s.tree.depth, limit)))
-            out = self.round.run_tree(s.rows, drafter, shape, s.sampling, s.generator, nodes)
+            if self.round.captured is not None:  # greedy, one graph: the fixed shape (tree auto: its bound)
+                out = self.round.run_tree(s.rows, drafter, s.tree.fixed, s.sampling, s.generator)
+            else:
+                shape, nodes = self.policy.tree_plan(s, arm, replace(s.tree, depth=min(s.tree.depth, limit)))
+                out = self.round.run_tree(s.rows, drafter, shape, s.sampling, s.generator, nodes)
         else:
             out = self.round.run(s.rows, drafter, self.policy.gamma(s, arm, limit), s.sampling, s.generator)
         return Played(arm, limit, before, s.rows[0][len(before):], out)

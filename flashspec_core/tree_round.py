@@ -19,7 +19,7 @@ was tried and rejected), so events show the accepted path and the branches that 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,6 +54,11 @@ class TreeSize:
         """The nodes of a greedy tree of this shape: `size`, or the candidates its levels offer where fewer (the
         root's top_k children, then top_k children of each of the min(top_k, size) nodes a level expands)."""
         return min(self.size, self.top_k + (self.depth - 1) * min(self.top_k, self.size) * self.top_k)
+
+    @property
+    def fixed(self) -> "TreeSize":
+        """This shape at a fixed size (auto's bound): what a captured round verifies, one graph per shape."""
+        return replace(self, auto=False)
 
 
 def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: TreeSize, sampling: SamplingConfig,

@@ -357,7 +357,7 @@ def test_the_captured_round_outlives_eager_streams_and_not_a_new_batch(tiny):
 
 def test_warm_up_lists_the_captured_tree_rounds_of_fixed_size(tiny, monkeypatch):
     """Engine.warm_up(trees=...): the captured round is asked for the greedy tree rounds of each fixed-size tree
-    (every bucket, with the head's readers), not for auto-sized ones nor at temperature > 0."""
+    (an auto-sized one's bound; every bucket, with the head's readers), not at temperature > 0."""
     from flashspec_core.captured import CapturedRound
     from flashspec_core.tree_round import TreeSize
 
@@ -366,7 +366,9 @@ def test_warm_up_lists_the_captured_tree_rounds_of_fixed_size(tiny, monkeypatch)
     asked = []
     monkeypatch.setattr(CapturedRound, "capture", lambda self, shapes: asked.extend(shapes) or 0)
     fixed, auto = TreeSize(4, 2, 8), TreeSize(6, 4, 32, auto=True)
-    engine.warm_up(256, trees=(fixed, auto))
+    engine.warm_up(256, trees=(fixed, auto, fixed))
     trees = [s for s in asked if s.tree is not None]
-    assert trees and {s.tree for s in trees} == {fixed} and all(s.greedy and s.observe for s in trees)
-    assert {s.S for s in trees} == {S for S in engine.target.buckets if fixed.nodes < S <= engine.target.bucket(256)}
+    assert trees and {s.tree for s in trees} == {fixed, auto.fixed} and all(s.greedy and s.observe for s in trees)
+    assert len(trees) == len(set(trees))  # a tree given twice: asked once
+    assert {s.S for s in trees if s.tree == fixed} == \
+        {S for S in engine.target.buckets if fixed.nodes < S <= engine.target.bucket(256)}

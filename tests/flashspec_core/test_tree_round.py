@@ -232,6 +232,19 @@ def test_warm_up_asks_the_target_for_every_tree_verify_with_the_heads_readers(ti
     assert result.token_ids == engine.generate(PROMPT, 24, mode="plain").token_ids
 
 
+def test_a_greedy_auto_tree_on_a_captured_round_verifies_its_bound(tiny):
+    """Where greedy rounds are captured, tree "auto" runs its bound's fixed tree on the captured round (one graph a
+    round, no per-round sizing, no eager round): every head round verifies the bound's nodes; plain's tokens."""
+    target, head = tiny
+    engine = Engine.from_models(target, [head], kernel_backend="torch", captured="eager")
+    shape = TreeSize(3, 4, 12, auto=True)
+    result = engine.generate(PROMPT, 40, drafters=["draft_head"], tree=shape)
+    assert result.token_ids == engine.generate(PROMPT, 40, mode="plain").token_ids
+    sizes = [e.tree_nodes for e in result.events if e.drafted_tree is not None]
+    assert sizes and set(sizes) == {shape.fixed.nodes} and shape.fixed == TreeSize(3, 4, 12)
+    assert engine.round.captured is not None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_tree_stream_after_warm_up_captures_nothing(tiny):
     """On CUDA, Engine.warm_up(tree_tokens=13, trees=(a 12-node tree,)) captures what its streams replay: the
