@@ -23,7 +23,8 @@
 #   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s;
 #            leading NAME=value words set that run's environment)
 #   t3:      assemble with part 3 (.carry/p3); the tests in T3_TESTS (if set), benchmarks.tree_exact (the forwards' and
-#            greedy trees' bits against plain decoding), then benchmarks.tree_round (TREE_ARGS): chains against trees
+#            greedy trees' bits against plain decoding), then benchmarks.tree_round (TREE_ARGS): chains against trees,
+#            then (T3_PROFILE set: its arguments) benchmarks.round_profile: each config's kernels a round
 #   step:    the layer-op kernels' tests on CUDA and one forward's kernels with the torch ops and with them
 #            (benchmarks.gpu_step --layer-ops torch triton); no GGUF needed
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
@@ -155,14 +156,16 @@ r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RU
   done <<< "${RUN_ARGS:-}"
   find benchmarks/results -name 'engine_embedded_cuda*' -newer /tmp/r3.start -exec cp {} "$OUT/" \; ;;
 t3)  # assemble the GGUF with part 3 (.carry/p3), then chains against trees (TREE_ARGS, e.g. "--precision auto
-  # --captured auto --tag h200": chains on CUDA graphs, trees eager with their target forward on graphs)
+  # --captured auto --tag h200": chains and greedy trees on CUDA graphs)
   assemble3
   touch /tmp/t3.start
   [ -n "${T3_TESTS:-}" ] && timeout ${T3_TEST_TIMEOUT:-200} python3 -m pytest ${T3_TESTS} -q -p no:cacheprovider 2>&1 \
     | tee "$OUT/pytest_t3_cuda.log" | tail -8  # e.g. the captured tree rounds' CUDA tests, with the GGUF here
   timeout 200 python3 -m benchmarks.tree_exact 2>&1 | grep -v -i "loading weights\|de-quantizing" | tail -24
   timeout ${RUN_TIMEOUT:-500} python3 -m benchmarks.tree_round ${TREE_ARGS:-} 2>&1 | grep -v -i "loading weights\|de-quantizing" | tail -30
-  find benchmarks/results -name 'tree_*_cuda*' -newer /tmp/t3.start -exec cp {} "$OUT/" \; ;;
+  [ -n "${T3_PROFILE:-}" ] && timeout 200 python3 -m benchmarks.round_profile --rows 30 ${T3_PROFILE} 2>&1 \
+    | grep -v -i "loading weights\|de-quantizing" | tail -140  # e.g. T3_PROFILE="--tag h200": kernels a round
+  find benchmarks/results \( -name 'tree_*_cuda*' -o -name 'round_profile_cuda*' \) -newer /tmp/t3.start -exec cp {} "$OUT/" \; ;;
 step)  # issue 15's plain step: the layer-op kernels (tests, then the captured forward with and without them)
   python3 -m pytest tests/kernels/test_layer_ops.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_layer_ops_cuda.log" | tail -3
   python3 -m benchmarks.gpu_step --layer-ops torch triton --tokens 1 8 --context 512 --no-compile 2>&1 | tee "$OUT/gpu_step.log" | tail -30

@@ -54,8 +54,10 @@ def environment() -> dict:
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                                 text=True).stdout.strip()
     except OSError:
-        commit = "unknown"
+        commit, changed = "unknown", ""
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
@@ -63,6 +65,7 @@ def environment() -> dict:
         pass
     return {"machine": cpu, "threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit,
+            "tracked_files_changed": bool(changed),  # the code that ran is not exactly the commit's
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "load_average": list(os.getloadavg()), "layer_ops": os.environ.get("FLASHSPEC_LAYER_OPS", "auto"),
             "gemv": os.environ.get("FLASHSPEC_GEMV", "loop")}
