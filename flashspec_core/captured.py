@@ -201,7 +201,8 @@ def pack_tree(result, p: torch.Tensor, drafted: torch.Tensor, guesses: list[torc
 
     Rows 0..B-1: [num_accepted, tokens (D + 1), path (D)]. Row B: row 0's p of every node's token (drafted [B, N])
     at its parent's slot (N values), then p of its emitted token at the slot where its walk stopped. Row B+1: the
-    guesses' row 0. Row B+2: row 0's drafted tokens. p is [B, N+1, V]. Ids < 2^24 are exact in float32."""
+    guesses' row 0. Row B+2: row 0's drafted tokens. p is [B, N+1, V]. Ids < 2^24 are exact in float32. (A
+    captured round appends one more row, the tree's parents: its host cannot know the shape otherwise.)"""
     n0 = result.num_accepted[:1]  # [1]
     p_nodes = p[0].index_select(0, tree.parent_slots(p.device)).gather(-1, drafted[0][:, None]).squeeze(-1)  # [N]
     last = result.path[0].gather(0, (n0 - 1).clamp(min=0))  # the last accepted node (if any)

@@ -577,12 +577,12 @@ class DraftHeadDrafter(Drafter):
 
     def propose_tree_at(self, shape, length: torch.Tensor, S: int) -> TreeProposal:
         """`propose_tree` (greedy) inside a captured round, from the fixed state: every level of fixed width (the
-        root's top_k children, then each level's w = min(top_k, size) best candidates expanded, top_k children
+        root's top_k children, then each level's w (`TreeSize.width`) best candidates expanded, top_k children
         each), the tree the `size` best candidates by row 0's scores, all on the device: a `TensorTree` (depth and
         child bounds: the shape's). Level l's nodes sit at head slots length + (l - 1) * w..., which `observe_at`
         overwrites."""
         depth, k, size = shape.depth, shape.top_k, shape.size
-        w = min(k, size)  # the frontier's width below the root
+        w = shape.width  # the frontier's width below the root
         seen, column = self._tree_seen(length, S, (depth - 1) * w)
         h, logits = self.fixed.h, self.fixed.logits[:, None]  # [B, W, H], [B, W, V] (the root: W = 1)
         frontier_score = logits.new_zeros(logits.shape[:2])

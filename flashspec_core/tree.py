@@ -190,8 +190,9 @@ class DraftTree:
 class TensorTree:
     """A draft tree whose shape lives on the device: what a captured tree round verifies, the host never reading it
     before the round ends. The node count N, the depth bound D and the child bound W are fixed (a graph keeps its
-    shapes); parents [N] int64 (-1: a child of the root; parents[i] < i) may change from round to round in place.
-    Its views are `DraftTree`'s (tested equal), each a few tensor ops with no host read."""
+    shapes); parents [N] int64 (-1: a child of the root; parents[i] < i) are a round's (a captured round's replays
+    recompute them and every view in place). Its views are `DraftTree`'s (tested equal), each a few tensor ops with
+    no host read; the ancestor table they start from is made once per tree."""
     parents: torch.Tensor  # [N] int64 on the round's device
     max_depth: int  # D >= every node's depth: paths are [B, D], -1 past a node's own depth
     width: int  # W >= every slot's child count: child_table is [N+1, W]
@@ -202,6 +203,10 @@ class TensorTree:
 
     def ancestors(self) -> torch.Tensor:
         """[N+1, D+1] int64 slots: column j is slot s's j-th ancestor (j = 0: s itself), 0 (the root) past it."""
+        return self._ancestors
+
+    @functools.cached_property
+    def _ancestors(self) -> torch.Tensor:
         up = torch.cat([self.parents.new_zeros(1), self.parents + 1])  # each slot's parent slot; the root's is 0
         columns = [torch.arange(self.N + 1, device=self.parents.device)]
         for _ in range(self.max_depth):

@@ -50,10 +50,15 @@ class TreeSize:
             raise ValueError(f"tree auto must be True or False, got {shown(self.auto)}")
 
     @property
+    def width(self) -> int:
+        """The nodes a greedy tree expands per level below the root: its min(top_k, size) best candidates."""
+        return min(self.top_k, self.size)
+
+    @property
     def nodes(self) -> int:
         """The nodes of a greedy tree of this shape: `size`, or the candidates its levels offer where fewer (the
-        root's top_k children, then top_k children of each of the min(top_k, size) nodes a level expands)."""
-        return min(self.size, self.top_k + (self.depth - 1) * min(self.top_k, self.size) * self.top_k)
+        root's top_k children, then top_k children of each of the `width` nodes a level expands)."""
+        return min(self.size, self.top_k + (self.depth - 1) * self.width * self.top_k)
 
     @property
     def fixed(self) -> "TreeSize":
