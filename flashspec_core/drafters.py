@@ -590,21 +590,22 @@ class DraftHeadDrafter(Drafter):
         scores, parents, index = [], [], []
         eye, span = torch.eye(w, dtype=torch.bool, device=self.device), torch.arange(w, device=self.device)
         for level in range(1, depth + 1):
-            logq, child = chunked_topk(logits.log_softmax(dim=-1), k)  # [B, W, k] each
+            logq, child = chunked_topk(logits.log_softmax(dim=-1, dtype=torch.float32), k)  # [B, W, k] each
             score = frontier_score[..., None] + logq
             first = sum(x.shape[1] for x in scores)  # the level's first candidate id
             scores.append(score.flatten(1))
-            parents.append(frontier_ids.repeat_interleave(k))
+            parents.append(frontier_ids[:, None].expand(-1, k).flatten())  # each frontier node's, k times
             index.append(child.flatten(1))
             if level == depth:
                 break
             chosen = score[0].flatten().sort(descending=True, stable=True).indices[:w]  # ties: the earlier first
-            seen = seen[chosen // k]  # [w, n + 2]: each chosen node's ancestors; then itself
+            up = chosen // k  # the chosen candidates' frontier nodes
+            seen = seen[up]  # [w, n + 2]: each chosen node's ancestors; then itself
             seen[:, (level - 1) * w:level * w] = eye
-            h = self.head.step_tree_at(self.fixed.cache, self.ids[child.flatten(1)[:, chosen]], h[:, chosen // k],
+            h = self.head.step_tree_at(self.fixed.cache, self.ids[child.flatten(1)[:, chosen]], h[:, up],
                                        length + (level - 1) * w + span, (length + level - 1).expand(w),
                                        seen[:, column])
-            logits = self.head.logits(h, self.limit).float()
+            logits = self.head.logits(h, self.limit)  # float32 in the log-softmax above
             frontier_score, frontier_ids = score.flatten(1)[:, chosen], first + chosen
         return _ranked(torch.cat(scores, 1), torch.cat(parents), self.ids[torch.cat(index, 1)], size, depth, k)
 
