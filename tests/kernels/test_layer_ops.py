@@ -231,7 +231,10 @@ def test_the_draft_heads_tree_step_with_the_kernels_is_its_torch_step(device, dt
     head.layer_ops = "auto"
 
 
-def test_greedy_captured_trees_with_the_heads_step_on_the_kernels_equal_plain(device):
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_greedy_with_the_heads_step_on_the_kernels_equals_plain(device, shape):
+    """The head's captured steps on the kernels (chains of 3, launched ahead; trees of depth 3, `step_tree_at`)
+    give plain decoding's tokens."""
     from flashspec_core import Engine
     from flashspec_core.tree_round import TreeSize
 
@@ -240,21 +243,13 @@ def test_greedy_captured_trees_with_the_heads_step_on_the_kernels_equal_plain(de
     engine = Engine.from_models(target, [head], kernel_backend="torch", captured="eager")
     prompt = [3, 17, 8, 29, 3, 17]
     plain = engine.generate(prompt, 24, mode="plain").token_ids
-    result = engine.generate(prompt, 24, drafters=["draft_head"], tree=TreeSize(3, 2, 6))
-    assert result.token_ids == plain and any(e.drafted_tree is not None for e in result.events)
-    assert engine.round.captured is not None
-
-
-def test_greedy_with_the_heads_step_on_the_kernels_equals_plain(device):
-    from flashspec_core import Engine
-
-    target, head = tiny_pair(device)
-    head.layer_ops = "triton"
-    engine = Engine.from_models(target, [head], kernel_backend="torch", captured="eager")
-    prompt = [3, 17, 8, 29, 3, 17]
-    plain = engine.generate(prompt, 24, mode="plain").token_ids
-    assert engine.generate(prompt, 24, gamma=3, drafters=["draft_head"]).token_ids == plain
-    assert engine.round.captured is not None and engine.round.launched_ahead > 0
+    tree = TreeSize(3, 2, 6) if shape == "tree" else None
+    result = engine.generate(prompt, 24, gamma=3, drafters=["draft_head"], tree=tree)
+    assert result.token_ids == plain and engine.round.captured is not None
+    if tree:
+        assert any(e.drafted_tree is not None for e in result.events)
+    else:
+        assert engine.round.launched_ahead > 0
 
 
 # ----------------------------------------------------------------------------------------------------
