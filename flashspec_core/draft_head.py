@@ -243,7 +243,7 @@ class DraftHead(nn.Module):
         packed = self.packed.get("lm_head")
         if packed is not None:
             return packed.first(limit)(self.norm(h))
-        normed = layer_ops.rms_norm(h, self.norm.weight, self.norm.eps) if self._kernels(h) else self.norm(h)
+        normed = layer_ops.rms_norm(h, self.norm.weight, self.norm.eps) if self.uses_kernels(h) else self.norm(h)
         return linear(normed, self.lm_head.weight[:limit], None, self.columns)
 
     # -- inference ----------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ class DraftHead(nn.Module):
         pos[t] = pos[0] + t) are written in place and attend to the cache's first S slots at positions <= their own
         (the verified slots, earlier new slots, and nothing stale: every slot below a query's position is current).
         The cache's `length` (a host count) is left to the caller."""
-        if self._kernels(hidden):
+        if self.uses_kernels(hidden):
             return self._step_kernels(cache, tokens, hidden, pos, pos, cache.slots[:S][None, :] <= pos[:, None])
         q, k, v = self._qkv(tokens, hidden, pos)
         keys, values = cache.write_at(k, v, pos, S)
@@ -316,16 +316,17 @@ class DraftHead(nn.Module):
         """A tree level for a captured round: T new slots written at cache slots [T] (device), rotated at rope [T],
         each attending where mask [T, S] (bool, over the cache's first S slots) allows: the verified slots, its
         ancestors and itself. Fixed shapes, no host reads (a draft's bits need not be a chain's)."""
-        if self._kernels(hidden):
+        if self.uses_kernels(hidden):
             return self._step_kernels(cache, tokens, hidden, slots, rope, mask)
         q, k, v = self._qkv(tokens, hidden, rope)
         keys, values = cache.write_at(k, v, slots, mask.shape[1])
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self._finish(hidden, attended)
 
-    def _kernels(self, x: torch.Tensor) -> bool:
-        """Whether the captured step and the logits' norm run `kernels.layer_ops`' Triton kernels ("auto": as the
-        target chooses, `layer_ops.auto`; "fused" runs the same small kernels here, the products stay torch's)."""
+    def uses_kernels(self, x: torch.Tensor) -> bool:
+        """Whether the captured step, the logits' norm and a captured tree's levels (`kernels.tree_level`) run Triton
+        kernels (`kernels.layer_ops`' for the step; "auto": as the target chooses, `layer_ops.auto`; "fused" runs the
+        same small kernels here, the products stay torch's)."""
         cfg = self.cfg
         ops = self.layer_ops if self.layer_ops != "auto" else \
             layer_ops.auto(x.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)

@@ -22,6 +22,7 @@ across streams learns the streams it missed before it is next fed (`round.Transc
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length, worth_anothe
 from flashspec_core.models import CausalLM
 from flashspec_core.sampling import SamplingConfig, logits_to_probs, logits_to_probs_at, sample
 from flashspec_core.tree import DraftTree, TensorTree
+from kernels.tree_level import Level, tree_level
 
 
 @dataclass(frozen=True)
@@ -584,29 +586,28 @@ class DraftHeadDrafter(Drafter):
         depth, k, size = shape.depth, shape.top_k, shape.size
         w = shape.width  # the frontier's width below the root
         seen, column = self._tree_seen(length, S, (depth - 1) * w)
+        slots = length + torch.arange((depth - 1) * w, device=self.device)  # level l's nodes: slots[(l - 1) * w:]
+        rope = length + torch.arange(depth, device=self.device)  # level l's rotary position: rope[l - 1]
         h, logits = self.fixed.h, self.fixed.logits[:, None]  # [B, W, H], [B, W, V] (the root: W = 1)
-        frontier_score = logits.new_zeros(logits.shape[:2])
+        frontier_score = logits.new_zeros(logits.shape[:2], dtype=torch.float32)
         frontier_ids = torch.full((1,), -1, dtype=torch.int64, device=self.device)
-        scores, parents, index = [], [], []
-        eye, span = torch.eye(w, dtype=torch.bool, device=self.device), torch.arange(w, device=self.device)
+        scores, parents, index, eye = [], [], [], torch.eye(w, dtype=torch.bool, device=self.device)
+        backend = os.environ.get("FLASHSPEC_TREE_LEVEL") or ("triton" if self.head.uses_kernels(h) else "torch")
         for level in range(1, depth + 1):
-            logq, child = chunked_topk(logits.log_softmax(dim=-1, dtype=torch.float32), k)  # [B, W, k] each
-            score = frontier_score[..., None] + logq
             first = sum(x.shape[1] for x in scores)  # the level's first candidate id
-            scores.append(score.flatten(1))
+            last = level == depth
+            lv = tree_level(logits, frontier_score, k, 0 if last else w, first, backend)
+            scores.append(lv.score)
             parents.append(frontier_ids[:, None].expand(-1, k).flatten())  # each frontier node's, k times
-            index.append(child.flatten(1))
-            if level == depth:
+            index.append(lv.child)
+            if last:
                 break
-            chosen = score[0].flatten().sort(descending=True, stable=True).indices[:w]  # ties: the earlier first
-            up = chosen // k  # the chosen candidates' frontier nodes
-            seen = seen[up]  # [w, n + 2]: each chosen node's ancestors; then itself
+            seen = seen[lv.up]  # [w, n + 2]: each chosen node's ancestors; then itself
             seen[:, (level - 1) * w:level * w] = eye
-            h = self.head.step_tree_at(self.fixed.cache, self.ids[child.flatten(1)[:, chosen]], h[:, up],
-                                       length + (level - 1) * w + span, (length + level - 1).expand(w),
-                                       seen[:, column])
-            logits = self.head.logits(h, self.limit)  # float32 in the log-softmax above
-            frontier_score, frontier_ids = score.flatten(1)[:, chosen], first + chosen
+            h = self.head.step_tree_at(self.fixed.cache, self.ids[lv.picked_child], h[:, lv.up],
+                                       slots[(level - 1) * w:level * w], rope[level - 1].expand(w), seen[:, column])
+            logits = self.head.logits(h, self.limit)  # float32 in the tree level's log-softmax
+            frontier_score, frontier_ids = lv.picked_score, lv.chosen
         return _ranked(torch.cat(scores, 1), torch.cat(parents), self.ids[torch.cat(index, 1)], size, depth, k)
 
     def _tree_seen(self, length: torch.Tensor, S: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -688,13 +689,15 @@ class DraftHeadDrafter(Drafter):
                              seen=torch.zeros((1, 0), dtype=torch.bool, device=self.device))
         scores, parents, index, count = [], [], [], 0
         for level in range(1, depth + 1):
-            score, child = frontier.children(top_k)  # [B, W, k] each
-            scores.append(score.flatten(1))
-            parents.append(frontier.ids.repeat_interleave(score.shape[2]))
-            index.append(child.flatten(1))
+            k = min(top_k, frontier.logits.shape[-1])
+            w = 0 if level == depth else min(top_k, size, frontier.logits.shape[1] * k)
+            lv = tree_level(frontier.logits, frontier.score, k, w, count)  # [B, W * k] each, the w best of them
+            scores.append(lv.score)
+            parents.append(frontier.ids.repeat_interleave(k))
+            index.append(lv.child)
             if level < depth:
-                frontier = self._grow(frontier, score, child, count, min(top_k, size), verified + level - 1)
-            count += score[0].numel()
+                frontier = self._grow(frontier, lv, verified + level - 1)
+            count += lv.score.shape[1]
         self.cache.crop(verified)  # the tree's slots go; the verified ones stay
         return self._rerank(torch.cat(scores, 1), torch.cat(parents), torch.cat(index, 1), size)
 
@@ -745,22 +748,18 @@ class DraftHeadDrafter(Drafter):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
 
-    def _grow(self, frontier: "_Frontier", score, child, first: int, width: int, position: int) -> "_Frontier":
-        """The next frontier: the `width` best of the level's children by row 0's scores (score, child [B, W, k];
-        candidate ids from `first`), run through the head in one step at `position`, each seeing the verified
-        slots, its ancestors and itself."""
-        k = score.shape[2]
-        chosen = score[0].flatten().sort(descending=True, stable=True).indices[:width]  # [W'] ties: earlier first
-        parent = chosen // k
-        tokens = self.ids[child.flatten(1)[:, chosen]]  # [B, W'] target ids
-        eye = torch.eye(chosen.numel(), dtype=torch.bool, device=self.device)
-        seen = torch.cat([frontier.seen[parent], eye], dim=1)  # [W', S + W'] over the tree's slots in the cache
+    def _grow(self, frontier: "_Frontier", level: Level, position: int) -> "_Frontier":
+        """The next frontier: the level's chosen candidates (`tree_level`), run through the head in one step at
+        `position`, each seeing the verified slots, its ancestors and itself."""
+        w = level.up.numel()
+        eye = torch.eye(w, dtype=torch.bool, device=self.device)
+        seen = torch.cat([frontier.seen[level.up], eye], dim=1)  # [w, S + w] over the tree's slots in the cache
         verified = self.cache.length - frontier.seen.shape[1]
-        mask = torch.cat([seen.new_ones(chosen.numel(), verified), seen], dim=1)  # [W', cache length + W']
-        positions = torch.full((chosen.numel(),), position, dtype=torch.int64, device=self.device)
-        h = self.head.step(self.cache, tokens, frontier.h[:, parent], positions, mask)  # [B, W', H]
-        return _Frontier(h=h, logits=self.head.logits(h, self.limit).float(), score=score.flatten(1)[:, chosen],
-                         ids=first + chosen, seen=seen)
+        mask = torch.cat([seen.new_ones(w, verified), seen], dim=1)  # [w, cache length + w]
+        positions = torch.full((w,), position, dtype=torch.int64, device=self.device)
+        h = self.head.step(self.cache, self.ids[level.picked_child], frontier.h[:, level.up], positions, mask)
+        return _Frontier(h=h, logits=self.head.logits(h, self.limit).float(), score=level.picked_score,
+                         ids=level.chosen, seen=seen)
 
     def _rerank(self, scores, parents, index, size: int) -> TreeProposal:
         """The `size` best candidates by row 0's scores (scores [B, M], parents by candidate id [M], draft-vocabulary
@@ -804,24 +803,6 @@ class _Frontier:
     score: torch.Tensor  # [B, W] float32 cumulative draft log-probability (0 for the root)
     ids: torch.Tensor  # [W] int64 candidate ids (-1 for the root)
     seen: torch.Tensor  # [W, S] bool over the tree's S slots in the cache: ancestors and itself
-
-    def children(self, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each node's top_k draft-vocabulary indices, best first, and their cumulative scores: [B, W, k] each."""
-        logq, index = chunked_topk(self.logits.log_softmax(dim=-1), min(top_k, self.logits.shape[-1]))
-        return self.score[..., None] + logq, index
-
-
-def chunked_topk(x: torch.Tensor, k: int, chunk: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x.topk(k, dim=-1)` (values, indices; best first) in two passes over long rows: the k best of each chunk of
-    `chunk` entries, then the k best of those. A GPU runs one long row's top-k on one block (~40-50 us a level of
-    the head's tree over 16,384 draft ids); short slices spread over its blocks. Ties may come in another order."""
-    V = x.shape[-1]
-    if V <= chunk or V % chunk or k > chunk:
-        return x.topk(k, dim=-1)
-    part = x.unflatten(-1, (V // chunk, chunk)).topk(k, dim=-1)  # [..., V / chunk, k] each
-    values, where = part.values.flatten(-2).topk(k, dim=-1)
-    base = torch.arange(0, V, chunk, device=x.device)[:, None]  # each chunk's first index
-    return values, (part.indices + base).flatten(-2).gather(-1, where)
 
 
 def _without_replacement(law: torch.Tensor, c: int, generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashspec_core import SamplingConfig
-from flashspec_core.drafters import DraftHeadDrafter, chunked_topk
+from flashspec_core.drafters import DraftHeadDrafter
 from flashspec_core.draft_head import HeadCache
 from flashspec_core.tree import DraftTree
 from kernels.tree_verify import verify_tree
@@ -228,15 +228,3 @@ def test_greedy_tree_verify_accepts_the_targets_greedy_continuation(target, seed
     assert n >= 2  # the walk took a second sibling and went on below it
     assert result.tokens[0, :n + 1].tolist() == greedy[:n + 1]
     assert paths[int(result.path[0, n - 1]) + 1] == tuple(greedy[:n])  # the accepted node's path
-
-
-@pytest.mark.parametrize("shape,k,chunk", [((2, 4, 16384), 4, 512), ((1, 1, 2048), 2, 128), ((3, 1000), 3, 512),
-                                           ((2, 1024), 5, 1024), ((1, 3, 4096), 8, 256)])
-def test_the_chunked_top_k_is_top_k(shape, k, chunk):
-    """The head's tree expands its nodes' top k in two passes (the k best of each chunk, then of those): the same
-    values and ids as one top-k over the whole row (distinct values; a long row, one within a chunk, one not a
-    multiple of it)."""
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(k))
-    values, index = chunked_topk(x, k, chunk)
-    expected = x.topk(k, dim=-1)
-    assert torch.equal(values, expected.values) and torch.equal(index, expected.indices)

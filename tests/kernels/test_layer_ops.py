@@ -232,12 +232,15 @@ def test_the_draft_heads_tree_step_with_the_kernels_is_its_torch_step(device, dt
 
 
 @pytest.mark.parametrize("shape", ["chain", "tree"])
-def test_greedy_with_the_heads_step_on_the_kernels_equals_plain(device, shape):
-    """The head's captured steps on the kernels (chains of 3, launched ahead; trees of depth 3, `step_tree_at`)
-    give plain decoding's tokens."""
+def test_greedy_with_the_heads_step_on_the_kernels_equals_plain(device, shape, monkeypatch):
+    """The head's captured steps on the kernels (chains of 3, launched ahead; trees of depth 3, `step_tree_at`, each
+    level's children and choice in `kernels.tree_level`'s kernels) give plain decoding's tokens."""
     from flashspec_core import Engine
     from flashspec_core.tree_round import TreeSize
+    from kernels import tree_level
 
+    levels, kernel = [], tree_level.tree_level_triton
+    monkeypatch.setattr(tree_level, "tree_level_triton", lambda *a: levels.append(a[0].shape) or kernel(*a))
     target, head = tiny_pair(device)
     head.layer_ops = "triton"
     engine = Engine.from_models(target, [head], kernel_backend="torch", captured="eager")
@@ -247,7 +250,7 @@ def test_greedy_with_the_heads_step_on_the_kernels_equals_plain(device, shape):
     result = engine.generate(prompt, 24, gamma=3, drafters=["draft_head"], tree=tree)
     assert result.token_ids == plain and engine.round.captured is not None
     if tree:
-        assert any(e.drafted_tree is not None for e in result.events)
+        assert any(e.drafted_tree is not None for e in result.events) and len(levels) >= 3
     else:
         assert engine.round.launched_ahead > 0
 

@@ -1,0 +1,66 @@
+"""A greedy draft tree's level (`kernels.tree_level`): the Triton kernels against the PyTorch reference, on CUDA or
+under TRITON_INTERPRET=1, and the reference's two-pass top-k against one top-k."""
+import pytest
+import torch
+
+from kernels.tree_level import CHUNK, chunked_topk, tree_level
+
+SHAPES = [(1, 1, 16384, 4, 4), (1, 4, 16384, 4, 4), (2, 4, 1000, 3, 5), (1, 3, 64, 2, 6), (2, 2, 16384, 1, 2),
+          (1, 4, 16384, 4, 0)]  # B, W, V, k, w: the head's levels, a vocabulary off the chunks, tiny, k = 1, last
+
+
+@pytest.mark.parametrize("B,W,V,k,w", SHAPES)
+def test_the_level_kernels_give_the_reference(device, B, W, V, k, w):
+    """Float32 logits with distinct values: the same children, chosen candidates, frontier nodes and picks, scores
+    within a rounding (the log-sum-exp summed by chunks)."""
+    g = torch.Generator(device=device).manual_seed(V + W)
+    logits = torch.randn(B, W, V, generator=g, device=device) * 3
+    base = torch.randn(B, W, generator=g, device=device) - 2
+    want, got = (tree_level(logits, base, k, w, 7, backend) for backend in ("torch", "triton"))
+    for name in ("child", "chosen", "up", "picked_child"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    torch.testing.assert_close(got.score, want.score, rtol=0, atol=2e-6)
+    torch.testing.assert_close(got.picked_score, want.picked_score, rtol=0, atol=2e-6)
+
+
+def test_bfloat16_logits_give_the_references_values(device):
+    """The head's own logits (bfloat16, ties likely): each row's children carry the reference's best values, best
+    first, and row 0's chosen candidates the reference's best scores."""
+    g = torch.Generator(device=device).manual_seed(3)
+    logits = (torch.randn(2, 4, 16384, generator=g, device=device) * 3).bfloat16()
+    base = torch.randn(2, 4, generator=g, device=device)
+    want, got = (tree_level(logits, base, 4, 4, 0, backend) for backend in ("torch", "triton"))
+    picked = logits.float().flatten(1).gather(1, (got.child.view(2, 4, 4) + torch.arange(4, device=device)[:, None]
+                                                  * 16384).flatten(1))
+    expected = logits.float().flatten(1).gather(1, (want.child.view(2, 4, 4) + torch.arange(4, device=device)[:, None]
+                                                    * 16384).flatten(1))
+    assert torch.equal(picked, expected)
+    torch.testing.assert_close(got.picked_score, want.picked_score, rtol=0, atol=2e-6)
+
+
+def test_ties_go_to_the_lower_id_and_the_earlier_candidate(device):
+    """Equal logits everywhere: every node's children are ids 0..k-1 and the chosen are the first w candidates."""
+    logits = torch.zeros(1, 3, 2000, device=device)
+    level = tree_level(logits, torch.zeros(1, 3, device=device), 2, 4, 10, "triton")
+    assert level.child.tolist() == [[0, 1] * 3]
+    assert level.chosen.tolist() == [10, 11, 12, 13] and level.up.tolist() == [0, 0, 1, 1]
+    torch.testing.assert_close(level.score, torch.full((1, 6), -float(torch.log(torch.tensor(2000.0))),
+                                                       device=device))
+
+
+@pytest.mark.parametrize("k,w,base", [(0, 0, (1, 2)), (CHUNK + 1, 1, (1, 2)), (2, 5, (1, 2)), (2, 1, (2,))])
+def test_a_bad_level_is_refused(k, w, base):
+    with pytest.raises(ValueError, match="tree level"):
+        tree_level(torch.zeros(1, 2, 1024), torch.zeros(base), k, w)
+
+
+@pytest.mark.parametrize("shape,k,chunk", [((2, 4, 16384), 4, 512), ((1, 1, 2048), 2, 128), ((3, 1000), 3, 512),
+                                           ((2, 1024), 5, 1024), ((1, 3, 4096), 8, 256)])
+def test_the_chunked_top_k_is_top_k(shape, k, chunk):
+    """The reference expands its nodes' top k in two passes (the k best of each chunk, then of those): the same
+    values and ids as one top-k over the whole row (distinct values; a long row, one within a chunk, one not a
+    multiple of it)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(k))
+    values, index = chunked_topk(x, k, chunk)
+    expected = x.topk(k, dim=-1)
+    assert torch.equal(values, expected.values) and torch.equal(index, expected.indices)
