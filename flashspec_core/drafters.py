@@ -32,7 +32,7 @@ from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length, worth_anothe
 from flashspec_core.models import CausalLM
 from flashspec_core.sampling import SamplingConfig, logits_to_probs, logits_to_probs_at, sample
 from flashspec_core.tree import DraftTree, TensorTree
-from kernels.tree_level import Level, tree_level
+from kernels.tree_level import Level, rank_tree_triton, tree_level
 
 
 @dataclass(frozen=True)
@@ -608,7 +608,8 @@ class DraftHeadDrafter(Drafter):
                                        slots[(level - 1) * w:level * w], rope[level - 1].expand(w), seen[:, column])
             logits = self.head.logits(h, self.limit)  # float32 in the tree level's log-softmax
             frontier_score, frontier_ids = lv.picked_score, lv.chosen
-        return _ranked(torch.cat(scores, 1), torch.cat(parents), self.ids[torch.cat(index, 1)], size, depth, k)
+        return _ranked(torch.cat(scores, 1), torch.cat(parents), self.ids[torch.cat(index, 1)], size, depth, k,
+                       backend)
 
     def _tree_seen(self, length: torch.Tensor, S: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What a tree level's mask over the head cache's first S slots is read from, in one index a level: seen
@@ -780,8 +781,12 @@ def _best_nodes(scores: torch.Tensor, parents: torch.Tensor, size: int) -> tuple
 
 
 def _ranked(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, size: int, depth: int,
-            width: int) -> TreeProposal:
-    """`_best_nodes` as a TreeProposal of a `TensorTree` (depth and child bounds given), tokens [B, M] by candidate."""
+            width: int, backend: str = "torch") -> TreeProposal:
+    """`_best_nodes` as a TreeProposal of a `TensorTree` (depth and child bounds given), tokens [B, M] by candidate;
+    "triton": the ranking and the tree's views in one kernel (`kernels.tree_level.rank_tree_triton`)."""
+    if backend == "triton":
+        r = rank_tree_triton(scores, parents, tokens, size, depth, width)
+        return TreeProposal(TensorTree(r.parents, depth, width, views=r), r.tokens, None, r.scores)
     order, node_parents = _best_nodes(scores, parents, size)
     return TreeProposal(TensorTree(node_parents, depth, width), tokens[:, order], None, scores[:, order])
 

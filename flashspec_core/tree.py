@@ -17,6 +17,7 @@ import functools
 import heapq
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -196,6 +197,8 @@ class TensorTree:
     parents: torch.Tensor  # [N] int64 on the round's device
     max_depth: int  # D >= every node's depth: paths are [B, D], -1 past a node's own depth
     width: int  # W >= every slot's child count: child_table is [N+1, W]
+    views: Any = None  # the views already made (`kernels.tree_level.Ranked`: ancestors, depth, child_table,
+    #                    path_table), else each is made here from parents
 
     @property
     def N(self) -> int:
@@ -203,7 +206,7 @@ class TensorTree:
 
     def ancestors(self) -> torch.Tensor:
         """[N+1, D+1] int64 slots: column j is slot s's j-th ancestor (j = 0: s itself), 0 (the root) past it."""
-        return self._ancestors
+        return self._ancestors if self.views is None else self.views.ancestors
 
     @functools.cached_property
     def _ancestors(self) -> torch.Tensor:
@@ -215,10 +218,14 @@ class TensorTree:
 
     def slot_depth(self, ancestors: torch.Tensor | None = None) -> torch.Tensor:
         """[N+1] int64: 0 for the root, then each node's depth (from `ancestors()`, given or computed)."""
+        if self.views is not None and ancestors is None:
+            return self.views.depth
         return ((self.ancestors() if ancestors is None else ancestors)[:, :-1] != 0).sum(dim=1)
 
     def child_table(self, device=None) -> torch.Tensor:
         """[N+1, W] int64: slot s's children (node indices, in node order), -1 padded."""
+        if self.views is not None:
+            return self.views.child_table
         N, dev = self.N, self.parents.device
         of = (self.parents + 1)[None, :] == torch.arange(N + 1, device=dev)[:, None]  # [N+1, N] node i of slot s
         rank = of.cumsum(dim=1) - 1
@@ -229,6 +236,8 @@ class TensorTree:
 
     def path_table(self, device=None) -> torch.Tensor:
         """[N+1, D+1] int32: `DraftTree.path_table`: slot s's path from the root down to s, then j past it."""
+        if self.views is not None:
+            return self.views.path_table
         j, ancestors = torch.arange(self.max_depth + 1, device=self.parents.device), self.ancestors()
         up = self.slot_depth(ancestors)[:, None] - j[None, :]  # how far above s the path's entry j sits
         path = ancestors.gather(1, up.clamp_min(0))

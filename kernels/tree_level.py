@@ -1,5 +1,6 @@
 """One level of a greedy draft tree (EAGLE-2's expansion): each frontier node's best children under the draft head,
-and the nodes the next level expands, as the PyTorch reference and as two Triton kernels.
+and the nodes the next level expands, as the PyTorch reference and as two Triton kernels; and the tree ranked from
+its levels, with its views, in one kernel.
 
     tree_level(logits [B, W, V], base [B, W], k, w, first, backend) -> Level
         score [B, W * k]    base + log q of each node's k best children (candidate c = node * k + rank, best first)
@@ -14,6 +15,13 @@ H200, ~40 us of top-k over 16,384 draft ids. The kernels: one program per (row, 
 maximum, its sum of exponentials and its k best; then one program that merges the chunks of every row into the
 row's log-sum-exp and k best, and picks row 0's w best. Ties among children go to the lower id, among candidates
 to the lower c; the values are within a rounding of the reference's (the log-sum-exp is summed by chunks).
+
+    rank_tree_triton(scores [B, M], parents [M], tokens [B, M], size, depth, width) -> Ranked
+
+After the last level, the tree: the `size` best of all levels' candidates by row 0's scores, numbered best first,
+with its parents, tokens, scores, and the views a captured round reads (ancestors, depths, child table, path
+table), in one kernel where torch takes ~40 (its reference: `flashspec_core.drafters._best_nodes` and
+`flashspec_core.tree.TensorTree`'s views, which this module does not import: kernels sit below the engine).
 """
 from __future__ import annotations
 
@@ -80,34 +88,44 @@ if triton is not None:
     @triton.jit
     def _level_merge_kernel(m_ptr, s_ptr, v_ptr, i_ptr, base_ptr, score_ptr, child_ptr, chosen_ptr, up_ptr,
                             picked_score_ptr, picked_child_ptr, C, first, R: tl.constexpr, B: tl.constexpr,
-                            W: tl.constexpr, w: tl.constexpr, K: tl.constexpr, CP: tl.constexpr,
-                            CKP: tl.constexpr, WKP: tl.constexpr):
-        """One program: every row's log-sum-exp and k best from its chunks, then row 0's w best candidates (loop
-        bounds are constexprs: Python ints under TRITON_INTERPRET=1; one compile per tree shape)."""
-        cc, e = tl.arange(0, CP), tl.arange(0, CKP)
-        for r in range(R):
-            cm = tl.load(m_ptr + r * C + cc, mask=cc < C, other=float("-inf"))
-            M = tl.max(cm, axis=0)
-            lse = M + tl.log(tl.sum(tl.load(s_ptr + r * C + cc, mask=cc < C, other=0.0) * tl.exp(cm - M), axis=0))
-            vals = tl.load(v_ptr + r * C * K + e, mask=e < C * K, other=float("-inf"))
-            ids = tl.load(i_ptr + r * C * K + e, mask=e < C * K, other=0)
-            b = tl.load(base_ptr + r).to(tl.float32)
-            for j in tl.static_range(K):
-                at = tl.argmax(vals, axis=0, tie_break_left=True)
-                tl.store(score_ptr + r * K + j, b + (tl.max(vals, axis=0) - lse))
-                tl.store(child_ptr + r * K + j, tl.sum(tl.where(e == at, ids, 0), axis=0))
-                vals = tl.where(e == at, float("-inf"), vals)
-        tl.debug_barrier()  # the scores above, written by other threads of this program, are read below
-        q = tl.arange(0, WKP)
-        row0 = tl.load(score_ptr + q, mask=q < W * K, other=float("-inf"))
-        for j in range(w):
-            at = tl.argmax(row0, axis=0, tie_break_left=True)
-            tl.store(chosen_ptr + j, (first + at).to(tl.int64))
-            tl.store(up_ptr + j, (at // K).to(tl.int64))
-            for b in range(B):
-                tl.store(picked_score_ptr + b * w + j, tl.load(score_ptr + b * W * K + at))
-                tl.store(picked_child_ptr + b * w + j, tl.load(child_ptr + b * W * K + at))
-            row0 = tl.where(q == at, float("-inf"), row0)
+                            W: tl.constexpr, w: tl.constexpr, K: tl.constexpr, RP: tl.constexpr, CP: tl.constexpr,
+                            CKP: tl.constexpr, KP: tl.constexpr):
+        """One program, every row at once: its log-sum-exp and k best from its chunks, then row 0's w best
+        candidates (rows 0..W-1, candidate c = r * K + j; ties: the lower c)."""
+        r, cc, e, j = tl.arange(0, RP), tl.arange(0, CP), tl.arange(0, CKP), tl.arange(0, KP)
+        rows = r[:, None] < R
+        cm = tl.load(m_ptr + r[:, None] * C + cc[None, :], mask=rows & (cc[None, :] < C), other=float("-inf"))
+        top = tl.max(cm, axis=1)
+        top = tl.where(r < R, top, 0.0)  # padded rows: finite, never stored
+        sums = tl.load(s_ptr + r[:, None] * C + cc[None, :], mask=rows & (cc[None, :] < C), other=0.0)
+        lse = top + tl.log(tl.where(r < R, tl.sum(sums * tl.exp(cm - top[:, None]), axis=1), 1.0))
+        live = rows & (e[None, :] < C * K)
+        vals = tl.load(v_ptr + r[:, None] * C * K + e[None, :], mask=live, other=float("-inf"))
+        ids = tl.load(i_ptr + r[:, None] * C * K + e[None, :], mask=live, other=0)
+        base = tl.load(base_ptr + r, mask=r < R, other=0.0).to(tl.float32)
+        score = tl.full([RP, KP], float("-inf"), tl.float32)
+        child = tl.zeros([RP, KP], tl.int64)
+        for k in tl.static_range(K):
+            at = tl.argmax(vals, axis=1, tie_break_left=True)
+            here = e[None, :] == at[:, None]
+            score = tl.where(j[None, :] == k, (base + tl.max(vals, axis=1) - lse)[:, None], score)
+            child = tl.where(j[None, :] == k, tl.sum(tl.where(here, ids, 0), axis=1)[:, None], child)
+            vals = tl.where(here, float("-inf"), vals)
+        out = rows & (j[None, :] < K)
+        tl.store(score_ptr + r[:, None] * K + j[None, :], score, mask=out)
+        tl.store(child_ptr + r[:, None] * K + j[None, :], child, mask=out)
+        flat = tl.reshape(tl.where((r[:, None] < W) & (j[None, :] < K), score, float("-inf")), [RP * KP])
+        f = tl.arange(0, RP * KP)
+        for n in tl.static_range(w):
+            at = tl.argmax(flat, axis=0, tie_break_left=True)
+            node, rank = at // KP, at % KP
+            tl.store(chosen_ptr + n, (first + node * K + rank).to(tl.int64))
+            tl.store(up_ptr + n, node.to(tl.int64))
+            for b in tl.static_range(B):
+                pick = (r[:, None] == b * W + node) & (j[None, :] == rank)
+                tl.store(picked_score_ptr + b * w + n, tl.sum(tl.sum(tl.where(pick, score, 0.0), axis=1), axis=0))
+                tl.store(picked_child_ptr + b * w + n, tl.sum(tl.sum(tl.where(pick, child, 0), axis=1), axis=0))
+            flat = tl.where(f == at, float("-inf"), flat)
 
 
 def tree_level_triton(logits: torch.Tensor, base: torch.Tensor, k: int, w: int, first: int = 0) -> Level:
@@ -124,8 +142,9 @@ def tree_level_triton(logits: torch.Tensor, base: torch.Tensor, k: int, w: int, 
     picked_score = torch.empty(B, w, dtype=torch.float32, device=dev)
     picked_child = torch.empty(B, w, dtype=torch.int64, device=dev)
     _level_merge_kernel[(1,)](m, s, values, ids, base.contiguous(), score, child, chosen, up, picked_score,
-                              picked_child, C, first, R=R, B=B, W=W, w=w, K=k, CP=triton.next_power_of_2(C),
-                              CKP=triton.next_power_of_2(C * k), WKP=triton.next_power_of_2(W * k))
+                              picked_child, C, first, R=R, B=B, W=W, w=w, K=k, RP=triton.next_power_of_2(R),
+                              CP=triton.next_power_of_2(C), CKP=triton.next_power_of_2(C * k),
+                              KP=triton.next_power_of_2(k))
     return Level(score, child, chosen, up, picked_score, picked_child)
 
 
@@ -143,3 +162,83 @@ def tree_level(logits: torch.Tensor, base: torch.Tensor, k: int, w: int, first: 
     if backend != "torch":
         raise ValueError(f"unknown backend {backend!r}; expected 'torch' or 'triton'")
     return tree_level_torch(logits, base, k, w, first)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The tree from its levels' candidates: the best `size` by row 0's scores, and its views, in one kernel
+
+
+class Ranked(NamedTuple):
+    parents: torch.Tensor  # [N] int64 node parents (-1: the root), nodes numbered best first
+    tokens: torch.Tensor  # [B, N] the nodes' tokens
+    scores: torch.Tensor  # [B, N] float32
+    ancestors: torch.Tensor  # [N+1, D+1] int64: slot s's j-th ancestor slot (j = 0: s), 0 (the root) past it
+    depth: torch.Tensor  # [N+1] int64 slot depths (0: the root)
+    child_table: torch.Tensor  # [N+1, W] int64: slot s's children (node indices, in node order), -1 padded
+    path_table: torch.Tensor  # [N+1, D+1] int32: slot s's path from the root down to s, then j past it
+
+
+if triton is not None:
+    @triton.jit
+    def _rank_kernel(score_ptr, parent_ptr, token_ptr, node_parent_ptr, token_out_ptr, score_out_ptr, anc_ptr,
+                     depth_ptr, child_ptr, path_ptr, M, B: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                     W: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr, WP: tl.constexpr):
+        """One program. A candidate's node is its rank by row 0's score (higher first, ties: the lower id); a kept
+        one's parent node is its parent candidate's rank. Then the slots' ancestors and depths, paths and
+        children (a node's rank among its siblings), each phase reading what the one before stored."""
+        m = tl.arange(0, MP)
+        s = tl.load(score_ptr + m, mask=m < M, other=float("-inf"))
+        beats = (s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (m[None, :] < m[:, None]))
+        rank = tl.sum((beats & (m[None, :] < M)).to(tl.int32), axis=1)
+        kept = (m < M) & (rank < N)
+        up = tl.load(parent_ptr + m, mask=m < M, other=-1)
+        up_rank = tl.sum(tl.where(m[None, :] == up[:, None], rank[None, :], 0), axis=1)
+        tl.store(node_parent_ptr + rank, tl.where(up >= 0, up_rank, -1).to(tl.int64), mask=kept)
+        for b in tl.static_range(B):
+            tl.store(token_out_ptr + b * N + rank, tl.load(token_ptr + b * M + m, mask=m < M), mask=kept)
+            tl.store(score_out_ptr + b * N + rank, tl.load(score_ptr + b * M + m, mask=m < M), mask=kept)
+        tl.debug_barrier()
+        slot = tl.arange(0, NP)
+        live = slot <= N
+        anc, depth = slot.to(tl.int64), tl.zeros([NP], tl.int64)
+        tl.store(anc_ptr + slot * (D + 1), anc, mask=live)
+        for j in tl.static_range(1, D + 1):
+            depth += (anc != 0).to(tl.int64)
+            anc = tl.where(anc > 0, tl.load(node_parent_ptr + anc - 1, mask=live & (anc > 0), other=-1) + 1, 0)
+            tl.store(anc_ptr + slot * (D + 1) + j, anc, mask=live)
+        tl.store(depth_ptr + slot, depth, mask=live)
+        node = tl.arange(0, NP)
+        p = tl.load(node_parent_ptr + node, mask=node < N, other=-2)
+        sibling = tl.sum(((p[None, :] == p[:, None]) & (node[None, :] < node[:, None])).to(tl.int32), axis=1)
+        c = tl.arange(0, WP)
+        tl.store(child_ptr + slot[:, None] * W + c[None, :], tl.full([NP, WP], -1, tl.int64),
+                 mask=live[:, None] & (c[None, :] < W))
+        tl.debug_barrier()
+        j = tl.arange(0, DP)
+        above = depth[:, None] - j[None, :]  # how far above s the path's entry j sits
+        inside = live[:, None] & (j[None, :] <= D)
+        path = tl.load(anc_ptr + slot[:, None] * (D + 1) + tl.maximum(above, 0), mask=inside, other=0)
+        tl.store(path_ptr + slot[:, None] * (D + 1) + j[None, :],
+                 tl.where(above >= 0, path, j[None, :]).to(tl.int32), mask=inside)
+        tl.store(child_ptr + (p + 1) * W + sibling, node.to(tl.int64), mask=(node < N) & (sibling < W))
+
+
+def rank_tree_triton(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, size: int, depth: int,
+                     width: int) -> Ranked:
+    """The `size` best candidates by row 0's scores [B, M] (candidate parents [M], -1 the root; tokens [B, M]) as a
+    tree numbered best first, and its views for a depth bound `depth` and child bound `width`: what
+    `flashspec_core.drafters._best_nodes` and `TensorTree`'s views give, in one kernel. A child must never score
+    above its parent (a parent ties first: it is the earlier candidate), as a tree level's scores never do."""
+    B, M = scores.shape
+    N, D, dev = min(size, M), depth, scores.device
+    out = Ranked(torch.empty(N, dtype=torch.int64, device=dev), torch.empty(B, N, dtype=tokens.dtype, device=dev),
+                 torch.empty(B, N, dtype=scores.dtype, device=dev),
+                 torch.empty(N + 1, D + 1, dtype=torch.int64, device=dev),
+                 torch.empty(N + 1, dtype=torch.int64, device=dev),
+                 torch.empty(N + 1, width, dtype=torch.int64, device=dev),
+                 torch.empty(N + 1, D + 1, dtype=torch.int32, device=dev))
+    _rank_kernel[(1,)](scores.contiguous(), parents.contiguous(), tokens.contiguous(), out.parents, out.tokens,
+                       out.scores, out.ancestors, out.depth, out.child_table, out.path_table, M, B=B, N=N, D=D,
+                       W=width, MP=triton.next_power_of_2(M), NP=triton.next_power_of_2(N + 1),
+                       DP=triton.next_power_of_2(D + 1), WP=triton.next_power_of_2(width), num_warps=8)
+    return out

@@ -1,9 +1,9 @@
-"""A greedy draft tree's level (`kernels.tree_level`): the Triton kernels against the PyTorch reference, on CUDA or
-under TRITON_INTERPRET=1, and the reference's two-pass top-k against one top-k."""
+"""A greedy draft tree's level and ranking (`kernels.tree_level`): the Triton kernels against the PyTorch reference,
+on CUDA or under TRITON_INTERPRET=1, and the reference's two-pass top-k against one top-k."""
 import pytest
 import torch
 
-from kernels.tree_level import CHUNK, chunked_topk, tree_level
+from kernels.tree_level import CHUNK, chunked_topk, rank_tree_triton, tree_level
 
 SHAPES = [(1, 1, 16384, 4, 4), (1, 4, 16384, 4, 4), (2, 4, 1000, 3, 5), (1, 3, 64, 2, 6), (2, 2, 16384, 1, 2),
           (1, 4, 16384, 4, 0)]  # B, W, V, k, w: the head's levels, a vocabulary off the chunks, tiny, k = 1, last
@@ -64,3 +64,40 @@ def test_the_chunked_top_k_is_top_k(shape, k, chunk):
     values, index = chunked_topk(x, k, chunk)
     expected = x.topk(k, dim=-1)
     assert torch.equal(values, expected.values) and torch.equal(index, expected.indices)
+
+
+def candidates(B: int, M: int, seed: int, grid: float = 0.0):
+    """A tree's candidates as its levels leave them: candidate m's parent an earlier candidate or the root (-1), its
+    score its parent's plus a log-probability (grid > 0: scores rounded to it, so ties, a child's with its parent
+    too), tokens [B, M] random ids."""
+    g = torch.Generator().manual_seed(seed)
+    parents, scores = [-1], torch.rand(B, M, generator=g).clamp_min(1e-3).log()
+    for m in range(1, M):
+        parents.append(int(torch.randint(-1, m, (1,), generator=g)))
+        if parents[-1] >= 0:
+            scores[:, m] += scores[:, parents[-1]]
+    if grid:
+        scores = (scores / grid).floor() * grid  # a child stays at or below its parent
+    return scores, torch.tensor(parents), torch.randint(0, 49152, (B, M), generator=g)
+
+
+@pytest.mark.parametrize("B,M,size,depth,width,grid", [(1, 84, 32, 6, 4, 0.0), (2, 84, 16, 6, 4, 0.0),
+                                                       (1, 20, 10, 6, 2, 0.0), (1, 84, 32, 6, 4, 0.5),
+                                                       (1, 12, 20, 8, 5, 0.25), (3, 40, 11, 3, 2, 0.0)])
+def test_the_rank_kernel_gives_the_best_nodes_and_the_tensor_trees_views(device, B, M, size, depth, width, grid):
+    """One kernel for the tree's ranking and views: `_best_nodes`' nodes and parents, the tokens and scores in node
+    order, and TensorTree's ancestors, depths, child table and path table (bounds tight and loose, ties, a size
+    above the candidates)."""
+    from flashspec_core.drafters import _best_nodes
+    from flashspec_core.tree import TensorTree
+
+    scores, parents, tokens = (x.to(device) for x in candidates(B, M, seed=M + size, grid=grid))
+    order, node_parents = _best_nodes(scores, parents, size)
+    want = TensorTree(node_parents, depth, width)
+    got = rank_tree_triton(scores, parents, tokens, size, depth, width)
+    assert torch.equal(got.parents, node_parents)
+    assert torch.equal(got.tokens, tokens[:, order]) and torch.equal(got.scores, scores[:, order])
+    assert torch.equal(got.ancestors, want.ancestors()) and torch.equal(got.depth, want.slot_depth())
+    assert torch.equal(got.child_table, want.child_table()) and torch.equal(got.path_table, want.path_table())
+    tree = TensorTree(got.parents, depth, width, views=got)
+    assert torch.equal(tree.position_ids(torch.tensor([5], device=device)), want.position_ids(5))
