@@ -1,14 +1,14 @@
 """Side-by-side decoding benchmark: own plain decoding, the bandit, each drafter fixed, Hugging Face generate(),
 and on request llama.cpp on the same GGUF file.
 
-    python -m benchmarks.run --preset embedded [--precision gguf] [--float32-plain] [--peers llama.cpp]
+    python -m benchmarks.run --preset embedded [--precision gguf] [--float32-plain] [--peers llama.cpp] [--tree auto]
 
 Every row runs the same prompt (assets/examples.json), seed and machine, greedy, one after the other.
 `--peers llama.cpp` runs llama-cpp-python (not in requirements.txt) in its own interpreter
 (`--llama-python`, default $FLASHSPEC_LLAMA_PYTHON) on the same prompt token ids, threads and GGUF file,
 while this process waits. `--float32-plain` adds own plain decoding on the float32 path beside the
-precision under test. Writes JSON and CSV under benchmarks/results/ and prints a markdown table.
-Numbers, not assertions.
+precision under test. `--tree` makes the draft head draft trees in the bandit's and its own rows. Writes JSON
+and CSV under benchmarks/results/ and prints a markdown table. Numbers, not assertions.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from statistics import median
 import torch
 
 from flashspec_core import Engine, SamplingConfig
+from flashspec_core.tree_round import TreeSize
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -182,19 +183,35 @@ def parse_args(argv=None):
                     help="profile the host's Python over the rows (cProfile; benchmarks/results/profile_*.txt)")
     ap.add_argument("--hf-compiled", action="store_true",
                     help="add Hugging Face generate() with a static cache under torch.compile (CUDA; warm-up untimed)")
+    ap.add_argument("--tree", default=None, help="the draft head's trees in the bandit and fixed:draft_head rows: "
+                    "DEPTH,TOP_K,SIZE, or auto (up to 6,4,32, sized each round; on a GPU, greedy, its bound)")
     args = ap.parse_args(argv)
     args.gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
+    args.tree = parse_tree(args.tree)
     return args
+
+
+def parse_tree(text: str | None) -> TreeSize | None:
+    """--tree's value as a TreeSize (None: chains)."""
+    if text is None:
+        return None
+    if text == "auto":
+        return TreeSize(6, 4, 32, auto=True)
+    try:
+        return TreeSize(*(int(x) for x in text.split(",")))
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--tree takes DEPTH,TOP_K,SIZE or auto, got {text!r}: {e}")
 
 
 def engine_configs(engine: Engine, args) -> list[tuple[str, dict]]:
     """(name, generate kwargs) of the engine rows: plain (the baseline, always), the bandit, each drafter fixed."""
     drafters = [n for n in engine.drafters if n != "no_draft"]
-    configs = [("plain", dict(mode="plain")), ("bandit", dict(gamma=args.gamma))]
-    configs += [(f"fixed:{d}", dict(gamma=args.gamma, drafters=[d])) for d in drafters]
+    configs = [("plain", dict(mode="plain")), ("bandit", dict(gamma=args.gamma, tree=args.tree))]
+    configs += [(f"fixed:{d}", dict(gamma=args.gamma, drafters=[d], tree=args.tree if d == "draft_head" else None))
+                for d in drafters]
     configs = [c for c in configs if not args.configs or c[0] in args.configs or c[0] == "plain"]
     strategies = [c.split(":", 1)[1] for c in args.configs or () if c.startswith("bandit:")]  # named ones only
-    return configs + [(f"bandit:{st}", dict(gamma=args.gamma, bandit=st)) for st in strategies]
+    return configs + [(f"bandit:{st}", dict(gamma=args.gamma, bandit=st, tree=args.tree)) for st in strategies]
 
 
 def run_rows(engine: Engine, float32, prompts: list[dict], peers: dict, args) -> list[dict]:
@@ -208,7 +225,7 @@ def run_rows(engine: Engine, float32, prompts: list[dict], peers: dict, args) ->
     for p in prompts:
         max_new = args.max_news[p["kind"]]
         if on_cuda:  # capture this prompt's CUDA graphs and compile kernels outside the timed runs
-            run_engine(engine, p["prompt"], max_new, args.seed, gamma=args.gamma)
+            run_engine(engine, p["prompt"], max_new, args.seed, gamma=args.gamma, tree=args.tree)
             if hf:
                 run_hf(engine, p["prompt"], 16)
             if args.hf_compiled:  # torch.compile specialises on the static cache's length: warm up at this one
@@ -240,7 +257,7 @@ def main(argv=None) -> int:
     engine = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision=args.precision,
                                 captured=args.captured)
     engine.launch_ahead = args.launch_ahead == "on"
-    args.warm_up_s = engine.warm_up(args.warm_up_context)
+    args.warm_up_s = engine.warm_up(args.warm_up_context, trees=[args.tree] if args.tree else ())
     print(f"engine warm-up (costs and every graph a run can choose): {args.warm_up_s:.1f} s", flush=True)
     float32 = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision="float32",
                                  drafters=[]) if args.float32_plain else None
