@@ -338,12 +338,12 @@ class Engine:
         the host's work on this round overlaps the device's on the next. A round that drafts from the host's rows
         (the copy drafters) launches as soon as this one has landed and its drafter has learnt it, before the other
         drafters learn it, the policy learns from it and its event is built."""
-        if self.round.captured is None or not self.launch_ahead or s.tree is not None:
+        if self.round.captured is None or not self.launch_ahead:
             return self._play_now(s), None
         turn = self._launch(s, ahead or Turn(self.policy.choose(s)))
         ahead = Turn(self.policy.choose(s))
         if self.round.on_device(self.drafters[ahead.arm]):
-            self._launch(s, ahead, in_flight=turn.launched.K + 1)
+            self._launch(s, ahead, in_flight=turn.launched.most)
         before = s.rows[0][:]
         out = self.round.land(s.rows, turn.launched, first=self.drafters[ahead.arm])
         emitted = s.rows[0][len(before):]
@@ -357,10 +357,19 @@ class Engine:
         flight waits (unlaunched) where the stream's end could cut its K."""
         if turn.launched is None:
             turn.limit = self._limit(s, uncounted, in_flight)
-            if in_flight == 0 or turn.limit >= s.max_gamma:
-                k = self.policy.gamma(s, turn.arm, turn.limit)
-                turn.launched = self.round.launch(s.rows, self.drafters[turn.arm], k, s.sampling, s.generator)
+            if in_flight == 0 or turn.limit >= max(s.max_gamma, getattr(s.tree, "depth", 0)):
+                drafter = self.drafters[turn.arm]
+                tree = self._captured_tree(s, drafter, turn.limit)
+                k = 0 if tree else self.policy.gamma(s, turn.arm, turn.limit)
+                turn.launched = self.round.launch(s.rows, drafter, k, s.sampling, s.generator, tree=tree)
         return turn
+
+    def _captured_tree(self, s: StreamState, drafter: Drafter, limit: int):
+        """The tree a captured round verifies for this arm (greedy, the head, one graph: its fixed shape, tree auto
+        at its bound), or None for a chain: other arms, or where the stream's end would cut its depth."""
+        tree = s.tree
+        head = isinstance(drafter, DraftHeadDrafter) and self.round.captured is not None
+        return tree.fixed if tree is not None and head and s.sampling.greedy and limit >= tree.depth else None
 
     def _limit(self, s: StreamState, uncounted: int = 0, in_flight: int = 0) -> int:
         """The most tokens a round may draft: K + 1 fit the tokens left and the context window. `uncounted`: tokens
@@ -370,18 +379,16 @@ class Engine:
         return min(left, self.target.context_window - len(s.rows[0]) - in_flight) - 1
 
     def _play_now(self, s: StreamState) -> Played:
-        """One round without captured rounds (eager, or a tree): chosen, run and landed at once."""
+        """One round chosen, run and landed at once (eager rounds, or captured ones without launching ahead)."""
         arm, limit = self.policy.choose(s), self._limit(s)
         before, drafter = s.rows[0][:], self.drafters[arm]
-        # on a captured round a tree whose depth the stream's end would cut has no graph: a chain then
-        tail = self.round.captured is not None and limit < getattr(s.tree, "depth", 0)
-        if s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0 and not tail:
-            if self.round.captured is not None:  # greedy, one graph: the fixed shape (tree auto: its bound)
-                out = self.round.run_tree(s.rows, drafter, s.tree.fixed, s.sampling, s.generator)
-            else:
-                shape, nodes = self.policy.tree_plan(s, arm, replace(s.tree, depth=min(s.tree.depth, limit)))
-                out = self.round.run_tree(s.rows, drafter, shape, s.sampling, s.generator, nodes)
-        else:
+        captured_tree = self._captured_tree(s, drafter, limit)
+        if captured_tree is not None:  # greedy, one graph: the fixed shape (tree auto: its bound)
+            out = self.round.run_tree(s.rows, drafter, captured_tree, s.sampling, s.generator)
+        elif s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0 and self.round.captured is None:
+            shape, nodes = self.policy.tree_plan(s, arm, replace(s.tree, depth=min(s.tree.depth, limit)))
+            out = self.round.run_tree(s.rows, drafter, shape, s.sampling, s.generator, nodes)
+        else:  # a chain (on a captured round also where the stream's end would cut a tree's depth: it has no graph)
             out = self.round.run(s.rows, drafter, self.policy.gamma(s, arm, limit), s.sampling, s.generator)
         return Played(arm, limit, before, s.rows[0][len(before):], out)
 

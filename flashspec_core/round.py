@@ -63,6 +63,12 @@ class Launched:
     timer: "RoundTimer"
     captured: bool = False  # ran as a captured round: the head has observed it already
     ready: torch.cuda.Event | None = None  # recorded after `packed`'s copy into pinned host memory was queued
+    tree: "TreeSize | None" = None  # a greedy tree round of this shape (K: its nodes), `tree_round.launch_tree`
+
+    @property
+    def most(self) -> int:
+        """The most tokens the round may append to the rows: a chain's K + 1, a tree's depth + 1."""
+        return self.K + 1 if self.tree is None else self.tree.depth + 1
 
 
 @dataclass
@@ -179,14 +185,14 @@ class DeviceRound:
                  generator, nodes=None) -> RoundOutput:
         """One round that verifies a draft tree of `shape` (`tree_round.TreeSize`) from the head: eager, or on a
         captured round (greedy, every node verified: `nodes` None) as one graph."""
-        from flashspec_core.tree_round import run_tree, run_tree_captured
+        from flashspec_core.tree_round import run_tree
 
         if self.captured is None:
             return run_tree(self, rows, drafter, shape, sampling, generator, nodes)
-        if not sampling.greedy or nodes is not None or drafter is not self.captured.head:
+        if not sampling.greedy or nodes is not None:
             raise ValueError("a captured round verifies greedy trees of a fixed size from its own head: build the "
                              "round with captured='off' for sampled or auto-sized trees")
-        return run_tree_captured(self, rows, drafter, shape)
+        return self.land(rows, self.launch(rows, drafter, 0, sampling, generator, tree=shape))
 
     def feed(self, rows: list[list[int]], arms: list[str] | None) -> None:
         """Choose the drafters the stream starting at `rows` keeps current: its arms (default: every drafter) and the
@@ -215,16 +221,24 @@ class DeviceRound:
         c = self.captured
         return c is not None and (drafter is c.head or isinstance(drafter, NoDraft))
 
-    def launch(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator) -> Launched:
+    def launch(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator, tree=None) -> Launched:
         """Draft, verify and the accept test, all on the device; nothing here reads the device. With a round in
-        flight (`on_device` arms only) it runs after that round on the device and lands after it."""
+        flight (`on_device` arms only) it runs after that round on the device and lands after it. tree: a greedy
+        tree of that `TreeSize` from the head instead of a chain (a captured round: `tree_round.launch_tree`)."""
         if drafter not in self.fed:
             raise ValueError(f"{drafter.name} is not among the stream's arms: start the stream with it")
         if self.unlanded:
             if not self.on_device(drafter):
                 raise ValueError(f"a round of {drafter.name} needs the host's rows: land the round in flight first")
             self.launched_ahead += 1
-        launched = self._launch(rows, drafter, k, sampling, generator)
+        if tree is not None:
+            from flashspec_core.tree_round import launch_tree
+
+            if self.captured is None or drafter is not self.captured.head or not sampling.greedy:
+                raise ValueError("a launched tree round is greedy, on a captured round, from its head")
+            launched = launch_tree(self, drafter, tree)
+        else:
+            launched = self._launch(rows, drafter, k, sampling, generator)
         self.unlanded.append(launched)
         return launched
 
@@ -255,13 +269,17 @@ class DeviceRound:
             raise ValueError("rounds land in the order they were launched")
         if launched.ready is not None:
             launched.ready.synchronize()
+        if launched.tree is not None:
+            from flashspec_core.tree_round import land_tree
+
+            return land_tree(self, rows, launched, first)
         host = HostCopy.read(launched.packed, launched.K, launched.guessers)
         L, m = len(rows[0]), min(host.num_accepted)
         for row, toks in zip(rows, host.tokens):  # accept
             row.extend(toks[:m + 1])
         self.unlanded.pop(0)
         self.target.crop(L + m)  # roll back: the cache keeps the context and the accepted drafts
-        self.target.length += sum(r.K + 1 for r in self.unlanded)  # a round in flight: what it may append
+        self.target.length += sum(r.most for r in self.unlanded)  # a round in flight: what it may append
         if launched.captured:
             self._update_captured(rows, L + m, first)
         else:

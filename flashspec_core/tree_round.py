@@ -5,7 +5,8 @@ hidden states of the kept slots). Eager on every model path; one device-to-host 
 besides the one the head's drafting makes for the tree's shape (`DraftHeadDrafter._rerank`).
 
     run_tree(round, rows, drafter, TreeSize(depth, top_k, size), sampling, generator) -> RoundOutput
-    run_tree_captured(round, rows, drafter, TreeSize(...)) -> RoundOutput   greedy, on the captured round
+    launch_tree(round, drafter, TreeSize(...)) -> Launched        greedy, on the captured round (`DeviceRound.launch`)
+    land_tree(round, rows, launched) -> RoundOutput                 its landing (`DeviceRound.land`)
 
 The captured version (`CapturedRound.tree_body`) does the same on the device with fixed shapes: the head's levels
 of fixed width (`DraftHeadDrafter.propose_tree_at`), the tree as device tensors (`tree.TensorTree`), the target's
@@ -19,6 +20,7 @@ was tried and rejected), so events show the accepted path and the branches that 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -102,9 +104,12 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], guessers, timer)
 
 
-def run_tree_captured(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: TreeSize) -> RoundOutput:
-    """`run_tree` on the captured round (greedy, every drafted node verified): the whole round is one graph
-    (`CapturedRound.tree_body`) whose record the host reads once, then accepts and lets the drafters learn."""
+def launch_tree(round_, drafter: DraftHeadDrafter, shape: TreeSize):
+    """A greedy tree round on the captured round (every drafted node verified), queued as one graph
+    (`CapturedRound.tree_body`) with its record's copy to the host: a `round.Launched` that `land_tree` finishes. It
+    reads nothing from the device, so it may be launched while the round before it is in flight."""
+    from flashspec_core.round import Launched
+
     timer, c, target = RoundTimer(round_.device, round_.stream), round_.captured, round_.target
     guessers = [drafter.name] if target.aux_layers and drafter.h is not None else []
     N = shape.nodes
@@ -112,18 +117,27 @@ def run_tree_captured(round_, rows: list[list[int]], drafter: DraftHeadDrafter, 
     timer.drafted()  # the head's levels' slots (from the same start); the head drafts inside the round (verify_s)
     packed = round_._to_host(c.run(Shape(True, N, S, True, bool(target.aux_layers), tree=shape)))
     timer.launched()
-    if timer.cuda:
-        timer.end.synchronize()
-    host = packed.tolist()
-    B, L = len(rows), len(rows[0])
-    counts, tokens, paths = _accept(rows, host, shape.depth)
+    target.length += shape.depth + 1  # the most the round keeps (the device compacts it; `land_tree` crops)
+    return Launched(N, packed, guessers, timer, captured=True, ready=timer.end if timer.cuda else None, tree=shape)
+
+
+def land_tree(round_, rows: list[list[int]], launched, first=None) -> RoundOutput:
+    """`DeviceRound.land` for a launched tree round: read its record, accept on the rows, move the host's lengths
+    and let the drafters learn (`first` now, the others at `settle`)."""
+    host = launched.packed.tolist()
+    B, L, depth = len(rows), len(rows[0]), launched.tree.depth
+    counts, tokens, paths = _accept(rows, host, depth)
     m = min(counts)
-    target.length += N + 1
-    target.crop(L + m)  # the device compacted the accepted path; the host's count follows
-    round_._update_captured(rows, L + m)
-    tree = DraftTree(tuple(int(x) for x in host[B + 3][:N]))
+    round_.unlanded.pop(0)
+    round_.target.crop(L + m)  # the device compacted the accepted path; the host's count follows
+    round_.target.length += sum(r.most for r in round_.unlanded)  # a round in flight: what it may append
+    round_._update_captured(rows, L + m, first)
+    tree = DraftTree(tuple(int(x) for x in host[B + 3][:launched.K]))
     nodes = [int(t) for t in host[B + 2][:tree.N]]
-    return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], guessers, timer)
+    out = _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], launched.guessers, launched.timer,
+                  since=round_._landed_at)
+    round_._landed_at = time.perf_counter()
+    return out
 
 
 def _accept(rows: list[list[int]], host: list[list[float]], D: int):
@@ -138,7 +152,8 @@ def _accept(rows: list[list[int]], host: list[list[float]], D: int):
     return counts, tokens, paths
 
 
-def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, guessers, timer) -> RoundOutput:
+def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, guessers, timer,
+            since: float = 0.0) -> RoundOutput:
     """Row 0's round as a chain for events: its accepted path, then the stop node's children (all rejected); and its
     whole tree, for a view of every branch."""
     n = counts[0]
@@ -147,7 +162,7 @@ def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, gues
     draft = [nodes[i] for i in shown]
     K = len(draft)
     p = [p_row[i] for i in shown] + [p_row[tree.N]]
-    draft_s, verify_s, device_s = timer.done()
+    draft_s, verify_s, device_s = timer.done(since=since)
     return RoundOutput(counts, [t + [-1] * (K + 1 - len(t)) for t in tokens], draft, p, [1.0] * K, draft_s,
                        verify_s, {name: int(g) for name, g in zip(guessers, guess_row)}, device_s,
                        tree=(tree.N, tree.max_depth),

@@ -218,19 +218,23 @@ TREES = {"d3k2s4": (3, 2, 4), "d4k2s10": (4, 2, 10), "d6k4s16": (6, 4, 16), "d2k
 @pytest.mark.parametrize("drafters", [["draft_head"], None], ids=["head", "bandit"])
 def test_greedy_captured_trees_equal_plain(tiny, shape, drafters):
     """Greedy trees on the captured round (`CapturedRound.tree_body`: the head's tree, the tree forward, the walk
-    and both caches compacted on the device) give plain decoding's tokens, alone and among the bandit's arms."""
+    and both caches compacted on the device) give plain decoding's tokens, alone and among the bandit's arms, with
+    tree rounds launched before the round before them landed (`Engine.launch_ahead`) and without."""
     from flashspec_core.tree_round import TreeSize
 
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
                                 captured="eager")
     plain = engine.generate(PROMPT, 48, mode="plain").token_ids
-    result = engine.generate(PROMPT, 48, drafters=drafters, tree=TreeSize(*TREES[shape]))
-    assert engine.round.captured is not None
-    trees = [e for e in result.events if e.drafted_tree is not None]
-    assert result.token_ids == plain and trees
-    if drafters:  # the head alone (the bandit may pull it seldom)
-        assert sum(len(e.accepted) for e in trees) > 0, "the test needs accepted tree drafts"
+    for ahead in (True, False):
+        engine.launch_ahead = ahead
+        result = engine.generate(PROMPT, 48, drafters=drafters, tree=TreeSize(*TREES[shape]))
+        assert engine.round.captured is not None
+        trees = [e for e in result.events if e.drafted_tree is not None]
+        assert result.token_ids == plain and trees
+        if drafters:  # the head alone (the bandit may pull it seldom)
+            assert sum(len(e.accepted) for e in trees) > 0, "the test needs accepted tree drafts"
+            assert (engine.round.launched_ahead > 0) == ahead
 
 
 def test_a_captured_tree_round_drafts_and_accepts_as_an_eager_one(tiny):
