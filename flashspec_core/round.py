@@ -227,6 +227,8 @@ class DeviceRound:
         tree of that `TreeSize` from the head instead of a chain (a captured round: `tree_round.launch_tree`)."""
         if drafter not in self.fed:
             raise ValueError(f"{drafter.name} is not among the stream's arms: start the stream with it")
+        if tree is not None and (self.captured is None or drafter is not self.captured.head or not sampling.greedy):
+            raise ValueError("a launched tree round is greedy, on a captured round, from its head")
         if self.unlanded:
             if not self.on_device(drafter):
                 raise ValueError(f"a round of {drafter.name} needs the host's rows: land the round in flight first")
@@ -234,8 +236,6 @@ class DeviceRound:
         if tree is not None:
             from flashspec_core.tree_round import launch_tree
 
-            if self.captured is None or drafter is not self.captured.head or not sampling.greedy:
-                raise ValueError("a launched tree round is greedy, on a captured round, from its head")
             launched = launch_tree(self, drafter, tree)
         else:
             launched = self._launch(rows, drafter, k, sampling, generator)
