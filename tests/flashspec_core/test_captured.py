@@ -237,6 +237,23 @@ def test_greedy_captured_trees_equal_plain(tiny, shape, drafters):
             assert (engine.round.launched_ahead > 0) == ahead
 
 
+def test_a_launched_tree_round_is_greedy_and_the_heads(tiny):
+    """A tree round launched on the captured round must be greedy and from its head; a refused one counts nothing."""
+    from flashspec_core.tree_round import TreeSize
+
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
+    rows, gen, tree = [list(PROMPT)], torch.Generator().manual_seed(0), TreeSize(3, 2, 4)
+    engine.round.start(rows, GREEDY, gen, len(PROMPT) + 40, 16, tree=tree)
+    with pytest.raises(ValueError, match="greedy, on a captured round, from its head"):
+        engine.round.launch(rows, engine.drafters["prompt_lookup"], 0, GREEDY, gen, tree=tree)
+    with pytest.raises(ValueError, match="greedy, on a captured round, from its head"):
+        engine.round.launch(rows, engine.drafters["draft_head"], 0, T1, gen, tree=tree)
+    assert not engine.round.unlanded and engine.round.launched_ahead == 0
+    out = engine.round.run_tree(rows, engine.drafters["draft_head"], tree, GREEDY, gen)
+    assert out.drafted_tree is not None and len(rows[0]) > len(PROMPT) and not engine.round.unlanded
+
+
 def test_a_captured_tree_round_drafts_and_accepts_as_an_eager_one(tiny):
     """Round by round, the captured tree round (device tree drafting, device compaction) drafts the tree the eager
     round drafts and accepts the same path (so the head's state after each round is the same)."""
