@@ -277,17 +277,23 @@ class DeviceRound:
         L, m = len(rows[0]), min(host.num_accepted)
         for row, toks in zip(rows, host.tokens):  # accept
             row.extend(toks[:m + 1])
-        self.unlanded.pop(0)
-        self.target.crop(L + m)  # roll back: the cache keeps the context and the accepted drafts
-        self.target.length += sum(r.most for r in self.unlanded)  # a round in flight: what it may append
-        if launched.captured:
-            self._update_captured(rows, L + m, first)
-        else:
+        self.landed(rows, L + m, first)
+        if not launched.captured:
             self._update(rows, L + m, None if self.target.aux is None else self.target.aux[:, :m + 1])
         draft_s, verify_s, device_s = launched.timer.done(since=self._landed_at)
         self._landed_at = time.perf_counter()
         return RoundOutput(host.num_accepted, host.tokens, host.draft, host.p, host.q, draft_s, verify_s, host.guesses,
                            device_s)
+
+    def landed(self, rows: list[list[int]], kept: int, first: Drafter | None) -> None:
+        """The oldest round in flight has landed on `rows` (the cache keeps `kept` tokens): out of flight, the cache
+        rolled back, a round still in flight counted by the most it may append, and after a captured round the
+        drafters' learning (`_update_captured`; an eager round's caller passes the hidden states to `_update`)."""
+        launched = self.unlanded.pop(0)
+        self.target.crop(kept)  # roll back: the cache keeps the context and the accepted drafts
+        self.target.length += sum(r.most for r in self.unlanded)  # a round in flight: what it may append
+        if launched.captured:
+            self._update_captured(rows, kept, first)
 
     def _update(self, rows: list[list[int]], kept: int, hidden: torch.Tensor | None) -> None:
         """Every fed drafter learns the round; the hidden-state readers get `hidden` [B, n, F], the target's features

@@ -127,11 +127,7 @@ def land_tree(round_, rows: list[list[int]], launched, first=None) -> RoundOutpu
     host = launched.packed.tolist()
     B, L, depth = len(rows), len(rows[0]), launched.tree.depth
     counts, tokens, paths = _accept(rows, host, depth)
-    m = min(counts)
-    round_.unlanded.pop(0)
-    round_.target.crop(L + m)  # the device compacted the accepted path; the host's count follows
-    round_.target.length += sum(r.most for r in round_.unlanded)  # a round in flight: what it may append
-    round_._update_captured(rows, L + m, first)
+    round_.landed(rows, L + min(counts), first)  # the device compacted the accepted path; the host's count follows
     tree = DraftTree(tuple(int(x) for x in host[B + 3][:launched.K]))
     nodes = [int(t) for t in host[B + 2][:tree.N]]
     out = _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], launched.guessers, launched.timer,
