@@ -59,6 +59,7 @@ def environment() -> dict:
                                  text=True).stdout.strip()
     except OSError:
         commit, changed = "unknown", ""
+    commit = os.environ.get("FLASHSPEC_COMMIT", commit)  # a copied tree whose git metadata lags names its code so
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
