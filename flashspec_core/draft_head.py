@@ -128,7 +128,8 @@ class DraftHead(nn.Module):
         self.native_layer: list[torch.Tensor] | None = None  # the native layer's weights, where `pack` set it up
         self._rope = torch.empty(2, 0, cfg.head_dim)  # the native layer's cos and signed sin by position (grown on use)
         self.layer_ops = "auto"  # a captured step's small ops: "torch", "triton" (kernels.layer_ops) or "auto" (`_kernels`)
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos and signed sin by slot, for the kernels
+        self._table: torch.Tensor | None = None  # cos and signed sin by slot, for the kernels (`_rope_table`)
+        self._joined_key, self._joined_weights = None, {}  # the kernels' step's stacked weights (`_joined`)
         D = cfg.head_dim
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -336,7 +337,8 @@ class DraftHead(nn.Module):
                       rope: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """`step_at` and `step_tree_at` with the norms, the rotary and cache write, the attention and SiLU * up as
         Triton kernels (the target's `layer_ops`; the rotary's bits are `_rotate`'s, the rest within a rounding of
-        the torch ops); the products stay torch's. Tokens go to cache slots [T] at rotary positions rope [T] and
+        the torch ops); the products stay torch's, one GEMM each (`_joined_product`: q, k, v as one, gate, up as one,
+        the residuals added inside the o and down GEMMs). Tokens go to cache slots [T] at rotary positions rope [T] and
         read the cache's first S slots where visible [T, S] (bool) allows."""
         layer, cfg = self.midlayer, self.cfg
         (B, T), H, KV, D = tokens.shape, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -344,27 +346,46 @@ class DraftHead(nn.Module):
         e = F.embedding(tokens, self.embed).to(hidden.dtype)
         x = torch.cat([layer_ops.rms_norm(e, layer.input_layernorm.weight, cfg.rms_norm_eps),
                        layer_ops.rms_norm(hidden, layer.hidden_norm.weight, cfg.rms_norm_eps)], dim=-1)
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = torch.cat(self._product("qkv", x, attn.q_proj, attn.k_proj, attn.v_proj), dim=-1).view(B * T, -1)
-        cos, sin = self._rope_table(cache.k.shape[2], x.dtype, x.device)
-        q = layer_ops.rope_and_cache(qkv, cos[rope], sin[rope], slots, cache.kv, shape)
+        qkv = self._joined_product("qkv", x.view(B * T, -1))
+        cos, sin = self._rope_table(cache.k.shape[2], x.dtype, x.device)[:, rope]  # one gather for both
+        q = layer_ops.rope_and_cache(qkv, cos, sin, slots, cache.kv, shape)
         S = visible.shape[1]
-        mask = torch.where(visible, 0.0, -math.inf).repeat(H // KV, 1)  # [R*T, S], row r * T + t
-        o = layer_ops.attention(q, cache.k[:, :, :S], cache.v[:, :, :S], mask, D ** -0.5, shape)
-        h = hidden + self._product("o", o.view(B, T, -1), attn.o_proj)
-        gate, up = self._product("gate_up", layer_ops.rms_norm(h, layer.post_attention_layernorm.weight,
-                                                               cfg.rms_norm_eps), mlp.gate_proj, mlp.up_proj)
-        both = torch.cat([gate, up], dim=-1).view(B * T, -1)
-        return h + self._product("down", layer_ops.silu_mul(both).view(B, T, -1), mlp.down_proj)
+        o = layer_ops.attention(q, cache.k[:, :, :S], cache.v[:, :, :S], visible, D ** -0.5, shape)
+        h = self._joined_product("o", o, hidden.reshape(B * T, -1))
+        both = self._joined_product("gate_up", layer_ops.rms_norm(h, layer.post_attention_layernorm.weight,
+                                                                  cfg.rms_norm_eps))
+        return self._joined_product("down", layer_ops.silu_mul(both), h).view(B, T, -1)
 
-    def _rope_table(self, slots: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and the signed sin (rotate_half's sign on the first half) [slots, D] in dtype, made once per cache
-        size: `_rotary`'s values at every slot."""
+    def _joined_product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, in] through product `name` (q, k, v as one; gate, up as one) plus residual [M, out] if given, in
+        as few kernels as the weights allow: a float weight adds the residual in its GEMM (beta = 1)."""
+        packed = self.packed.get(name)
+        if packed is not None:
+            out = packed(x).to(x.dtype)
+            return out if residual is None else residual + out
+        weight = self._joined()[name]
+        return F.linear(x, weight) if residual is None else torch.addmm(residual, x, weight.t())
+
+    def _joined(self) -> dict[str, torch.Tensor]:
+        """The captured step's float weights, one a product (q, k, v stacked; gate, up stacked), remade when a
+        weight changes; the modules keep the EAGLE-3 layout that is saved and trained."""
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        groups = {"qkv": (attn.q_proj, attn.k_proj, attn.v_proj), "o": (attn.o_proj,),
+                  "gate_up": (mlp.gate_proj, mlp.up_proj), "down": (mlp.down_proj,)}
+        key = tuple((m.weight.data_ptr(), m.weight._version) for ms in groups.values() for m in ms)
+        if self._joined_key != key:
+            self._joined_weights = {n: torch.cat([m.weight.detach() for m in ms]) for n, ms in groups.items()}
+            self._joined_key = key
+        return self._joined_weights
+
+    def _rope_table(self, slots: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """[2, slots, D] in dtype: cos and the signed sin (rotate_half's sign on the first half), made once per
+        cache size: `_rotary`'s values at every slot."""
         table = self._table
-        if table is None or table[0].shape[0] < slots or table[0].dtype != dtype or table[0].device != device:
+        if table is None or table.shape[1] < slots or table.dtype != dtype or table.device != device:
             cos, sin = self._rotary(torch.arange(slots, device=device), dtype)
             half = self.cfg.head_dim // 2
-            self._table = table = (cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))
+            self._table = table = torch.stack([cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)])
         return table
 
     # -- training -----------------------------------------------------------------------------------

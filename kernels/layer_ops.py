@@ -24,6 +24,7 @@ silu, the attention's softmax) under TRITON_INTERPRET=1 and on a GPU.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -83,13 +84,16 @@ def add_linear_torch_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor) ->
 
 
 def attention_torch(q, k, v, mask, scaling: float, shape, slots=None) -> torch.Tensor:
-    """q [B, KV, R*T, D] (row r * T + t) over k, v [B, KV, S, D] with the additive mask [R*T, S] -> o [B*T, H*D]
+    """q [B, KV, R*T, D] (row r * T + t) over k, v [B, KV, S, D] with the additive mask [R*T, S] (or a bool one [T, S],
+    True where token t sees key n, for its R query heads) -> o [B*T, H*D]
     (token-major, head kv * R + r: the o projection's input). HF's eager attention (scores * scaling + mask,
     softmax in float32, rounded, @ v) in four ops: one GEMM scales and adds the mask (copied into its output).
     It reads the cache as laid out: `attention`'s slots (a per-token layout) are the kernel's alone."""
     if slots is not None:
         raise ValueError("attention_torch reads the cache as laid out (slots=None); per-token slots need the kernel")
     B, T, H, KV, D = shape
+    if mask.dtype == torch.bool:  # [T, S], True where visible: one row a token for its R query heads
+        mask = torch.where(mask, 0.0, -math.inf).to(q.dtype).repeat(H // KV, 1)
     q, k, v = q.reshape(B * KV, -1, D), k.reshape(B * KV, -1, D), v.reshape(B * KV, -1, D)
     scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=scaling)  # [B*KV, R*T, S]
     o = torch.bmm(F.softmax(scores, dim=-1), v)
@@ -271,11 +275,13 @@ if triton is not None:
     @triton.jit
     def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, slot_ptr, part_ptr, T, S, scaling, k_batch, k_head,
                                k_slot, v_batch, v_head, v_slot, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-                               CHUNK: tl.constexpr, CHUNKS: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr):
+                               CHUNK: tl.constexpr, CHUNKS: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr,
+                               VISIBLE: tl.constexpr):
         """One program per (batch row and kv head, token t, chunk c of CHUNK keys): the R query heads' softmax
         over the chunk's keys, unnormalised (its max, its sum, p @ v), into part [B*KV, T, CHUNKS, 16, D + 2].
         The R rows are padded to 16 for the tensor cores; a token's rows never meet another token's. GATHER: key
-        n of token t is the cache's slot slots[t, n] (slot_ptr, int32 [T, S]), else slot n."""
+        n of token t is the cache's slot slots[t, n] (slot_ptr, int32 [T, S]), else slot n. VISIBLE: the mask is
+        [T, S] bytes, nonzero where token t sees key n (for all R heads), else additive [R*T, S]."""
         bk, t, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, kvh = bk // KV, bk % KV
         r, d = tl.arange(0, 16), tl.arange(0, D)
@@ -287,8 +293,12 @@ if triton is not None:
         keys = tl.load(k_ptr + b * k_batch + kvh * k_head + at[:, None] * k_slot + d[None, :], mask=inside[:, None],
                        other=0.0)
         scores = tl.dot(q, tl.trans(keys.to(WIDE)), input_precision="ieee") * scaling
-        scores += tl.load(mask_ptr + rows[:, None] * S + n[None, :], mask=live[:, None] & inside[None, :],
-                          other=float("-inf")).to(tl.float32)
+        if VISIBLE:  # the same bits as adding 0 or -inf
+            seen = tl.load(mask_ptr + t * S + n, mask=inside, other=0)
+            scores = tl.where(seen[None, :] != 0, scores, float("-inf"))
+        else:
+            scores += tl.load(mask_ptr + rows[:, None] * S + n[None, :], mask=live[:, None] & inside[None, :],
+                              other=float("-inf")).to(tl.float32)
         scores = tl.where(live[:, None], scores, 0.0)  # padded rows: finite, never read
         best = tl.maximum(tl.max(scores, axis=1), -1e30)  # finite: a chunk with no visible key weighs exactly 0
         p = tl.exp(scores - best[:, None])
@@ -393,6 +403,10 @@ def attention(q, k, v, mask, scaling: float, shape, slots=None) -> torch.Tensor:
     decoding's token (the sums' order follows the lanes; masked keys add exact zeros)."""
     B, T, H, KV, D = shape
     S, R = k.shape[2], H // KV
+    visible = mask.dtype == torch.bool
+    if mask.shape != ((T if visible else R * T), S):
+        raise ValueError(f"mask must be bool [T, S] or additive [R*T, S] with T={T}, R={R}, S={S}, got "
+                         f"{mask.dtype} {tuple(mask.shape)}")
     if not supported(H, KV, D) or k.stride(3) != 1 or v.stride(3) != 1:
         raise ValueError(f"the attention kernel needs at most 16 query heads a kv head and a power-of-two head size "
                          f">= 16 with unit stride, got {R} and {D}")
@@ -401,11 +415,12 @@ def attention(q, k, v, mask, scaling: float, shape, slots=None) -> torch.Tensor:
     chunks = triton.next_power_of_2(triton.cdiv(k.stride(1) // k.stride(2), CHUNK))
     part = torch.empty(B * KV, T, chunks, 16, D + 2, dtype=torch.float32, device=q.device)
     used = triton.cdiv(S, CHUNK)
-    _attention_part_kernel[(B * KV, T, used)](q.contiguous(), k, v, mask.contiguous(),
+    mask = mask.contiguous().view(torch.uint8) if visible else mask.contiguous()
+    _attention_part_kernel[(B * KV, T, used)](q.contiguous(), k, v, mask,
                                               k if slots is None else slots, part, T, S, scaling,
                                               *k.stride()[:3], *v.stride()[:3], KV=KV, R=R, D=D, CHUNK=CHUNK,
                                               CHUNKS=chunks, WIDE=tl.float32 if INTERPRETED else _TL[q.dtype],
-                                              GATHER=slots is not None)
+                                              GATHER=slots is not None, VISIBLE=visible)
     o = torch.empty(B * T, H * D, dtype=q.dtype, device=q.device)
     _attention_merge_kernel[(B * KV, T, R)](part, o, T, used, KV=KV, R=R, D=D, CHUNKS=chunks)
     return o

@@ -76,6 +76,21 @@ def test_attention_is_the_torch_ops_within_a_rounding_and_a_tokens_bits_do_not_d
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_bool_mask_a_token_gives_the_additive_masks_bits(device, dtype):
+    """A bool mask [T, S] (True where token t sees key n, for all its query heads: a draft step's) gives the
+    additive [R*T, S] mask's bits, in the kernel and its reference; a mask of neither shape is refused."""
+    q, k, v, mask, shape = attention_inputs(3, 130, dtype, device)
+    B, T, H, KV, D = shape
+    visible = mask[:T] == 0  # row t of query head 0 is token t's
+    for attend in (layer_ops.attention, layer_ops.attention_torch):
+        assert torch.equal(attend(q, k, v, visible, 0.125, shape), attend(q, k, v, mask, 0.125, shape))
+    shifted = layer_ops.attention(q, k, v, visible.roll(1, dims=0), 0.125, shape)  # rows by token: it matters
+    assert not torch.equal(shifted, layer_ops.attention(q, k, v, mask, 0.125, shape))
+    with pytest.raises(ValueError, match="mask must be"):
+        layer_ops.attention(q, k, v, visible.repeat(H // KV, 1), 0.125, shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_token_reading_its_own_key_slots_gets_the_bits_of_those_keys_laid_out_in_order(device, dtype):
     """slots [T, S]: a draft tree's node reads its path (context, then ancestors and itself, wherever they sit in
     the cache) as a chain lays it out, so it gets plain decoding's bits; in float32 the tree's own mask over the cache
@@ -190,6 +205,31 @@ def test_the_draft_heads_captured_step_with_the_kernels_is_its_torch_step(device
     head.layer_ops = "auto"
 
 
+@torch.no_grad()
+def test_the_heads_kernel_step_follows_its_weights(device):
+    """The kernel step's stacked weights (q, k, v as one; gate, up as one) are remade when a weight changes in
+    place: after the change it gives the torch step's outputs again, not the old weights'."""
+    from flashspec_core.draft_head import HeadCache
+
+    _, head = tiny_pair(device)
+    g = torch.Generator(device=device).manual_seed(9)
+    tokens = torch.randint(0, 50, (1, 5), generator=g, device=device)
+    hidden = torch.randn(1, 5, 32, generator=g, device=device)
+
+    def step(ops):
+        head.layer_ops = ops
+        return head.step_at(HeadCache(head.cfg, 1, 64, device, torch.float32), tokens, hidden,
+                            torch.arange(5, device=device), 64)
+
+    before = step("triton")
+    head.midlayer.self_attn.k_proj.weight.mul_(-1.5)
+    head.midlayer.mlp.up_proj.weight.mul_(0.5)
+    after, want = step("triton"), step("torch")
+    torch.testing.assert_close(after, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(after, before, rtol=1e-3, atol=1e-3)
+    head.layer_ops = "auto"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_the_draft_heads_tree_step_with_the_kernels_is_its_torch_step(device, dtype, monkeypatch):
@@ -221,8 +261,7 @@ def test_the_draft_heads_tree_step_with_the_kernels_is_its_torch_step(device, dt
         two = head.step_tree_at(cache, ids[:, 3:], one[:, [0, 2]], slots[8:10], torch.full((2,), 6, device=device),
                                 mask[3:])
         runs[ops] = (torch.cat([one, two], dim=1).float(), cache.kv[..., :10, :].float())
-    R = head.cfg.num_heads // head.cfg.num_kv_heads
-    assert calls == [(5 * R, S), (3 * R, S), (2 * R, S)]  # the "triton" run's three steps went through the kernel
+    assert calls == [(5, S), (3, S), (2, S)]  # the "triton" run's three steps went through the kernel (bool masks)
     for got, want in zip(runs["triton"], runs["torch"]):
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
