@@ -584,42 +584,40 @@ class DraftHeadDrafter(Drafter):
         child bounds: the shape's). Level l's nodes sit at head slots length + (l - 1) * w..., which `observe_at`
         overwrites."""
         depth, k, size = shape.depth, shape.top_k, shape.size
-        w = shape.width  # the frontier's width below the root
-        seen, column = self._tree_seen(length, S, (depth - 1) * w)
+        w, cache = shape.width, self.fixed.cache  # the frontier's width below the root
         slots = length + torch.arange((depth - 1) * w, device=self.device)  # level l's nodes: slots[(l - 1) * w:]
         rope = length + torch.arange(depth, device=self.device)  # level l's rotary position: rope[l - 1]
+        own = cache.slots[:S][None, :] == slots[:, None]  # [(depth - 1) * w, S]: each tree slot's own column
+        visible = (cache.slots[:S] < length)[None, :]  # [1, S]: what the root sees, the verified slots
         h, logits = self.fixed.h, self.fixed.logits[:, None]  # [B, W, H], [B, W, V] (the root: W = 1)
         frontier_score = logits.new_zeros(logits.shape[:2], dtype=torch.float32)
-        frontier_ids = torch.full((1,), -1, dtype=torch.int64, device=self.device)
-        scores, parents, index, eye = [], [], [], torch.eye(w, dtype=torch.bool, device=self.device)
+        scores, index, chosen = [], [], []
         backend = os.environ.get("FLASHSPEC_TREE_LEVEL") or ("triton" if self.head.uses_kernels(h) else "torch")
         for level in range(1, depth + 1):
             first = sum(x.shape[1] for x in scores)  # the level's first candidate id
             last = level == depth
             lv = tree_level(logits, frontier_score, k, 0 if last else w, first, backend)
             scores.append(lv.score)
-            parents.append(frontier_ids[:, None].expand(-1, k).flatten())  # each frontier node's, k times
             index.append(lv.child)
             if last:
                 break
-            seen = seen[lv.up]  # [w, n + 2]: each chosen node's ancestors; then itself
-            seen[:, (level - 1) * w:level * w] = eye
-            h = self.head.step_tree_at(self.fixed.cache, self.ids[lv.picked_child], h[:, lv.up],
-                                       slots[(level - 1) * w:level * w], rope[level - 1].expand(w), seen[:, column])
+            chosen.append(lv.chosen)
+            here = slice((level - 1) * w, level * w)
+            visible = visible[lv.up] | own[here]  # [w, S]: each chosen node's ancestors (its parent's), and itself
+            h = self.head.step_tree_at(cache, self.ids[lv.picked_child], h[:, lv.up], slots[here],
+                                       rope[level - 1].expand(w), visible)
             logits = self.head.logits(h, self.limit)  # float32 in the tree level's log-softmax
-            frontier_score, frontier_ids = lv.picked_score, lv.chosen
-        return _ranked(torch.cat(scores, 1), torch.cat(parents), self.ids[torch.cat(index, 1)], size, depth, k,
-                       backend)
+            frontier_score = lv.picked_score
+        return _ranked(torch.cat(scores, 1), self._tree_parents(chosen, k), self.ids[torch.cat(index, 1)], size,
+                       depth, k, backend)
 
-    def _tree_seen(self, length: torch.Tensor, S: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a tree level's mask over the head cache's first S slots is read from, in one index a level: seen
-        [1, n + 2] bool (columns 0..n-1 the tree slots at length + j, which each level fills for its nodes; column n
-        True, the verified slots; n + 1 False, the slots past the tree) and column [S], each slot's column."""
-        rel = self.fixed.cache.slots[:S] - length  # [S]
-        column = torch.where(rel < 0, n, torch.where(rel < n, rel, n + 1))
-        seen = torch.zeros((1, n + 2), dtype=torch.bool, device=self.device)
-        seen[:, n] = True
-        return seen, column
+    def _tree_parents(self, chosen: list[torch.Tensor], k: int) -> torch.Tensor:
+        """Each candidate's parent candidate id [M] (-1 the root): the root's k children, then k children of each
+        level's chosen nodes (chosen: one [w] a level but the last)."""
+        roots = torch.full((k,), -1, dtype=torch.int64, device=self.device)
+        if not chosen:
+            return roots
+        return torch.cat([roots, torch.stack(chosen)[..., None].expand(-1, -1, k).flatten()])
 
     @torch.inference_mode()
     def propose(self, rows, k):
