@@ -273,13 +273,12 @@ if triton is not None:
         tl.store(at, _round(y, dt).to(dt), mask=live)
 
     @triton.jit
-    def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, slot_ptr, part_ptr, count_ptr, o_ptr, T, S, used,
-                               scaling, k_batch, k_head, k_slot, v_batch, v_head, v_slot, KV: tl.constexpr,
-                               R: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                               WIDE: tl.constexpr, GATHER: tl.constexpr, VISIBLE: tl.constexpr):
+    def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, slot_ptr, part_ptr, T, S, scaling, k_batch, k_head,
+                               k_slot, v_batch, v_head, v_slot, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                               CHUNK: tl.constexpr, CHUNKS: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr,
+                               VISIBLE: tl.constexpr):
         """One program per (batch row and kv head, token t, chunk c of CHUNK keys): the R query heads' softmax
-        over the chunk's keys, unnormalised (its max, its sum, p @ v), into part [B*KV, T, CHUNKS, 16, D + 2];
-        the token's last program to finish (count_ptr: int32 [B*KV*T], zero between launches) merges them into o.
+        over the chunk's keys, unnormalised (its max, its sum, p @ v), into part [B*KV, T, CHUNKS, 16, D + 2].
         The R rows are padded to 16 for the tensor cores; a token's rows never meet another token's. GATHER: key
         n of token t is the cache's slot slots[t, n] (slot_ptr, int32 [T, S]), else slot n. VISIBLE: the mask is
         [T, S] bytes, nonzero where token t sees key n (for all R heads), else additive [R*T, S]."""
@@ -310,28 +309,21 @@ if triton is not None:
         tl.store(out[:, None] + d[None, :], acc, mask=live[:, None])
         tl.store(out + D, best, mask=live)
         tl.store(out + D + 1, tl.sum(p, axis=1), mask=live)
-        tl.debug_barrier()  # every thread's part stored before the count says so (acq_rel: released to the GPU)
-        done = tl.atomic_add(count_ptr + bk * T + t, 1, sem="acq_rel")
-        if done == used - 1:  # the token's last chunk program: the others' parts are visible (acquired)
-            for rr in tl.static_range(R):
-                _attention_merge(part_ptr, o_ptr, bk, t, rr, T, used, KV, R, D, CHUNKS)
-            tl.atomic_xchg(count_ptr + bk * T + t, 0)  # zero again for the next launch
 
     @triton.jit
-    def _attention_merge(part_ptr, o_ptr, bk, t, r, T, used, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-                         CHUNKS: tl.constexpr):
-        """Query head r of token t: the chunks' softmaxes merged. It reads CHUNKS (the cache's capacity) chunks
-        whatever the context bucket, the unused ones as empty, so the sums keep one order and a token gets the same
-        bits in every bucket and verify width as in a one-token step. Parts are read past the L1 cache (".cg"):
-        other programs wrote them."""
+    def _attention_merge_kernel(part_ptr, o_ptr, T, used, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+                                CHUNKS: tl.constexpr):
+        """One program per (batch row and kv head, token t, query head r): the chunks' softmaxes merged. It reads
+        CHUNKS (the cache's capacity) chunks whatever the context bucket, the unused ones as empty, so the sums
+        keep one order and a token gets the same bits in every bucket and verify width as in a one-token step."""
+        bk, t, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         c, d = tl.arange(0, CHUNKS), tl.arange(0, D)
         at = part_ptr + ((bk * T + t) * CHUNKS + c) * 16 * (D + 2) + r * (D + 2)
         real = c < used
-        best = tl.load(at + D, mask=real, other=-1e30, cache_modifier=".cg")
+        best = tl.load(at + D, mask=real, other=-1e30)
         weight = tl.exp(best - tl.max(best, axis=0))
-        total = tl.sum(weight * tl.load(at + D + 1, mask=real, other=0.0, cache_modifier=".cg"), axis=0)
-        acc = tl.sum(weight[:, None] * tl.load(at[:, None] + d[None, :], mask=real[:, None], other=0.0,
-                                               cache_modifier=".cg"), axis=0)
+        total = tl.sum(weight * tl.load(at + D + 1, mask=real, other=0.0), axis=0)
+        acc = tl.sum(weight[:, None] * tl.load(at[:, None] + d[None, :], mask=real[:, None], other=0.0), axis=0)
         b, kvh = bk // KV, bk % KV
         o_at = o_ptr + ((b * T + t) * (KV * R) + kvh * R + r) * D  # o [B*T, H*D], token-major
         tl.store(o_at + d, (acc / total).to(o_ptr.dtype.element_ty))
@@ -403,8 +395,8 @@ def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 
 def attention(q, k, v, mask, scaling: float, shape, slots=None) -> torch.Tensor:
-    """`attention_torch` in one kernel (softmaxes over chunks of 64 keys, merged by each token's last chunk program;
-    float32 throughout, so within a rounding of the torch ops, not their bits). k and v are slices [:, :, :S] of a cache whose capacity
+    """`attention_torch` in two kernels (softmaxes over chunks of 64 keys, then merged; float32 throughout, so
+    within a rounding of the torch ops, not their bits). k and v are slices [:, :, :S] of a cache whose capacity
     (slots per head of their storage) fixes the merge's order. slots (int32 [T, S], optional): token t reads the
     cache's slot slots[t, n] as its key n, under mask row t; a draft tree's node reads its path laid out as a chain
     would be (`StaticCausalLM.forward_tree`), so each key keeps its chunk and lane, and the node the bits of plain
@@ -424,29 +416,14 @@ def attention(q, k, v, mask, scaling: float, shape, slots=None) -> torch.Tensor:
     part = torch.empty(B * KV, T, chunks, 16, D + 2, dtype=torch.float32, device=q.device)
     used = triton.cdiv(S, CHUNK)
     mask = mask.contiguous().view(torch.uint8) if visible else mask.contiguous()
-    o = torch.empty(B * T, H * D, dtype=q.dtype, device=q.device)
     _attention_part_kernel[(B * KV, T, used)](q.contiguous(), k, v, mask,
-                                              k if slots is None else slots, part, _counts(B * KV * T, q.device), o,
-                                              T, S, used, scaling,
+                                              k if slots is None else slots, part, T, S, scaling,
                                               *k.stride()[:3], *v.stride()[:3], KV=KV, R=R, D=D, CHUNK=CHUNK,
                                               CHUNKS=chunks, WIDE=tl.float32 if INTERPRETED else _TL[q.dtype],
                                               GATHER=slots is not None, VISIBLE=visible)
+    o = torch.empty(B * T, H * D, dtype=q.dtype, device=q.device)
+    _attention_merge_kernel[(B * KV, T, R)](part, o, T, used, KV=KV, R=R, D=D, CHUNKS=chunks)
     return o
-
-
-_COUNTS: dict[torch.device, list[torch.Tensor]] = {}  # the attention's arrival counts, by device (all kept: graphs
-#                                                      captured over an older buffer still read it)
-
-
-def _counts(n: int, device: torch.device) -> torch.Tensor:
-    """int32 [>= n] zeros on device, shared by every attention launch there (each launch leaves them zero; the
-    engine's launches on a device are ordered: one stream, one thread). Grown outside a graph capture only."""
-    kept = _COUNTS.setdefault(device, [])
-    if not kept or kept[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the attention's counts must grow before a graph is captured (warm the shape up first)")
-        kept.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return kept[-1]
 
 
 def rope_and_cache(qkv, cos, sin, pos, kv, shape) -> torch.Tensor:

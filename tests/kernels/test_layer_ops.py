@@ -73,7 +73,6 @@ def test_attention_is_the_torch_ops_within_a_rounding_and_a_tokens_bits_do_not_d
         assert torch.equal(alone, o.view(B, T, H * D)[:, t])
     heads_swapped = layer_ops.attention(q.flip(1), k, v, mask, 0.125, shape)
     assert not torch.allclose(heads_swapped, o, rtol=tol, atol=tol)
-    assert not any(c.any() for c in layer_ops._COUNTS[q.device])  # each launch leaves its arrival counts zero
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
