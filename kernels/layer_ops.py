@@ -293,7 +293,7 @@ if triton is not None:
         keys = tl.load(k_ptr + b * k_batch + kvh * k_head + at[:, None] * k_slot + d[None, :], mask=inside[:, None],
                        other=0.0)
         scores = tl.dot(q, tl.trans(keys.to(WIDE)), input_precision="ieee") * scaling
-        if VISIBLE:  # the same bits as adding 0 or -inf
+        if VISIBLE:  # adding 0 or -inf, within float32 rounding (a GPU may fuse the additive form otherwise)
             seen = tl.load(mask_ptr + t * S + n, mask=inside, other=0)
             scores = tl.where(seen[None, :] != 0, scores, float("-inf"))
         else:
