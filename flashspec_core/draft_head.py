@@ -344,8 +344,8 @@ class DraftHead(nn.Module):
         (B, T), H, KV, D = tokens.shape, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         shape = (B, T, H, KV, D)
         e = F.embedding(tokens, self.embed).to(hidden.dtype)
-        x = torch.cat([layer_ops.rms_norm(e, layer.input_layernorm.weight, cfg.rms_norm_eps),
-                       layer_ops.rms_norm(hidden, layer.hidden_norm.weight, cfg.rms_norm_eps)], dim=-1)
+        x = layer_ops.rms_norm_pair(e, layer.input_layernorm.weight, hidden, layer.hidden_norm.weight,
+                                    cfg.rms_norm_eps)  # [B, T, 2H]: both norms side by side, one kernel
         qkv = self._joined_product("qkv", x.view(B * T, -1))
         cos, sin = self._rope_table(cache.k.shape[2], x.dtype, x.device)[:, rope]  # one gather for both
         q = layer_ops.rope_and_cache(qkv, cos, sin, slots, cache.kv, shape)

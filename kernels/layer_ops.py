@@ -173,6 +173,21 @@ if triton is not None:
         tl.store(out_ptr + row * N + n, _normed(x.to(tl.float32), w, N, eps, x.dtype).to(x.dtype), mask=keep)
 
     @triton.jit
+    def _rms_norm_pair_kernel(a_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
+        """Program (row, side): side 0 norms a's row into out[row, :N], side 1 b's into out[row, N:] (out [rows, 2N])."""
+        row, side = tl.program_id(0), tl.program_id(1)
+        n = tl.arange(0, BLOCK)
+        keep = n < N
+        if side == 0:
+            x = tl.load(a_ptr + row * N + n, mask=keep, other=0.0)
+            w = tl.load(wa_ptr + n, mask=keep, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(b_ptr + row * N + n, mask=keep, other=0.0)
+            w = tl.load(wb_ptr + n, mask=keep, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * 2 * N + side * N + n, _normed(x.to(tl.float32), w, N, eps, x.dtype).to(x.dtype),
+                 mask=keep)
+
+    @triton.jit
     def _tile(w_ptr, n, k, live_n, live_k, K):
         """Rows n of a row-major [*, K] weight, columns k (zeros where n or k is out of range), in float32."""
         return tl.load(w_ptr + n[:, None] * K + k[None, :], mask=live_n[:, None] & live_k[None, :],
@@ -452,6 +467,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(rows)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, N, eps, BLOCK=triton.next_power_of_2(N))
     return out.view(x.shape)
+
+
+def rms_norm_pair(a: torch.Tensor, a_weight: torch.Tensor, b: torch.Tensor, b_weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """[rms_norm(a) | rms_norm(b)] over the last dimension in one kernel (a and b [..., N], one dtype): `rms_norm`'s
+    bits, side by side [..., 2N] (the draft head's input: the token's embedding and the hidden state, normed)."""
+    N = a.shape[-1]
+    if b.shape != a.shape or b.dtype != a.dtype:
+        raise ValueError(f"a and b must match, got {a.dtype} {tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
+    rows_a, rows_b = a.reshape(-1, N).contiguous(), b.reshape(-1, N).contiguous()
+    out = torch.empty(rows_a.shape[0], 2 * N, dtype=a.dtype, device=a.device)
+    _rms_norm_pair_kernel[(rows_a.shape[0], 2)](rows_a, a_weight.contiguous(), rows_b, b_weight.contiguous(), out, N,
+                                                eps, BLOCK=triton.next_power_of_2(N))
+    return out.view(*a.shape[:-1], 2 * N)
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,

@@ -45,6 +45,18 @@ def test_silu_mul_and_rms_norm_are_the_torch_ops_within_a_rounding(device, dtype
     assert not torch.allclose(layer_ops.silu_mul(swapped), layer_ops.silu_mul_torch(gate_up), rtol=ulp, atol=ulp)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_pair_of_norms_in_one_kernel_is_two_norms_side_by_side(device, dtype):
+    g = torch.Generator(device=device).manual_seed(3)
+    a, b = (torch.randn(2, 3, 576, generator=g, device=device).to(dtype) for _ in range(2))
+    wa, wb = ((1 + torch.randn(576, generator=g, device=device) / 4).to(dtype) for _ in range(2))
+    want = torch.cat([layer_ops.rms_norm(a, wa, 1e-5), layer_ops.rms_norm(b, wb, 1e-5)], dim=-1)
+    assert torch.equal(layer_ops.rms_norm_pair(a, wa, b, wb, 1e-5), want)
+    assert not torch.equal(layer_ops.rms_norm_pair(a, wb, b, wa, 1e-5), want)  # each side its own weight
+    with pytest.raises(ValueError, match="must match"):
+        layer_ops.rms_norm_pair(a, wa, b[:, :2], wb, 1e-5)
+
+
 def attention_inputs(T, S, dtype, device, capacity=160):
     """q rows of the embedded model's heads, a cache slice of S slots, and a mask in which token t sees slots
     [0, 37 + t) and slot 50 + t (a tree's shape: not a prefix), so blocks past 64 have no visible key."""
