@@ -174,7 +174,7 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_pair_kernel(a_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
-        """Program (row, side): side 0 norms a's row into out[row, :N], side 1 b's into out[row, N:] (out [rows, 2N])."""
+        """Program (row, side): side 0 norms a's row into out[row, :N], side 1 b's into out[row, N:] ([rows, 2N])."""
         row, side = tl.program_id(0), tl.program_id(1)
         n = tl.arange(0, BLOCK)
         keep = n < N
