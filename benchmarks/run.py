@@ -85,6 +85,7 @@ def run_engine(engine: Engine, prompt: str, max_new: int, seed: int, sampling: S
             "acceptance": s["acceptance"], "tokens_per_forward": s["tokens_per_forward"],
             "target_forwards": s["target_forwards"], "draft_ms_per_token": draft_ms,
             "verify_ms": 1e3 * median(e.verify_s for e in result.events), "pulls": s["pulls"],
+            "prefill_ms": 1e3 * s["prefill_s"],  # the stream's start (prefill, drafters' start), inside "seconds"
             **round_times(result.events), "ids": result.token_ids}
 
 
