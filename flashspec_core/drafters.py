@@ -542,11 +542,14 @@ class DraftHeadDrafter(Drafter):
     def _keep(self, h: torch.Tensor, fixed: bool) -> None:
         """The next draft's state from the first pass's last output h [B, 1, H]; fixed: into the fixed buffers (a
         captured round reads them, whatever this drafter's own cache was when it was captured)."""
-        logits = self.head.logits(h[:, -1], self.limit).float()  # draft vocabulary
-        guess = self.ids[logits.argmax(dim=-1)]  # [B]
-        if fixed:
+        logits = self.head.logits(h[:, -1], self.limit)  # draft vocabulary
+        if fixed:  # written in place: the widening copy and the id lookup land in the buffers
             f = self.fixed
-            h, logits, guess = f.h.copy_(h), f.logits.copy_(logits), f.guess.copy_(guess)
+            h, logits = f.h.copy_(h), f.logits.copy_(logits)
+            guess = torch.index_select(self.ids, 0, logits.argmax(dim=-1), out=f.guess)  # [B]
+        else:
+            logits = logits.float()
+            guess = self.ids[logits.argmax(dim=-1)]  # [B]
         self.h, self.logits, self.guess = h, logits, guess
 
     # -- a captured round (fixed shapes, device positions, no host reads) ---------------------------
