@@ -280,10 +280,16 @@ class DeviceRound:
         self.landed(rows, L + m, first)
         if not launched.captured:
             self._update(rows, L + m, None if self.target.aux is None else self.target.aux[:, :m + 1])
-        draft_s, verify_s, device_s = launched.timer.done(since=self._landed_at)
-        self._landed_at = time.perf_counter()
+        draft_s, verify_s, device_s = self.landing_times(launched.timer)
         return RoundOutput(host.num_accepted, host.tokens, host.draft, host.p, host.q, draft_s, verify_s, host.guesses,
                            device_s)
+
+    def landing_times(self, timer: "RoundTimer") -> tuple[float, float, float | None]:
+        """A landed round's (draft_s, verify_s, device_s), its wall time counted from the last landing at the
+        earliest (a round launched ahead started before it); this landing's time is kept for the next."""
+        times = timer.done(since=self._landed_at)
+        self._landed_at = time.perf_counter()
+        return times
 
     def landed(self, rows: list[list[int]], kept: int, first: Drafter | None) -> None:
         """The oldest round in flight has landed on `rows` (the cache keeps `kept` tokens): out of flight, the cache

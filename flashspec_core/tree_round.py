@@ -20,7 +20,6 @@ was tried and rejected), so events show the accepted path and the branches that 
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -101,7 +100,7 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     hidden = None if aux is None else aux.gather(1, (kept - start).to(aux.device)[..., None].expand(-1, -1, aux.shape[-1]))
     round_._update(rows, L + m, hidden)
     nodes = [int(t) for t in host[B + 2][:tree.N]]
-    return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], guessers, timer)
+    return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], guessers, timer.done())
 
 
 def launch_tree(round_, drafter: DraftHeadDrafter, shape: TreeSize):
@@ -117,8 +116,9 @@ def launch_tree(round_, drafter: DraftHeadDrafter, shape: TreeSize):
     timer.drafted()  # the head's levels' slots (from the same start); the head drafts inside the round (verify_s)
     packed = round_._to_host(c.run(Shape(True, N, S, True, bool(target.aux_layers), tree=shape)))
     timer.launched()
-    target.length += shape.depth + 1  # the most the round keeps (the device compacts it; `land_tree` crops)
-    return Launched(N, packed, guessers, timer, captured=True, ready=timer.end if timer.cuda else None, tree=shape)
+    launched = Launched(N, packed, guessers, timer, captured=True, ready=timer.end if timer.cuda else None, tree=shape)
+    target.length += launched.most  # the most the round keeps (the device compacts it; `land_tree` crops)
+    return launched
 
 
 def land_tree(round_, rows: list[list[int]], launched, first=None) -> RoundOutput:
@@ -130,10 +130,8 @@ def land_tree(round_, rows: list[list[int]], launched, first=None) -> RoundOutpu
     round_.landed(rows, L + min(counts), first)  # the device compacted the accepted path; the host's count follows
     tree = DraftTree(tuple(int(x) for x in host[B + 3][:launched.K]))
     nodes = [int(t) for t in host[B + 2][:tree.N]]
-    out = _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], launched.guessers, launched.timer,
-                  since=round_._landed_at)
-    round_._landed_at = time.perf_counter()
-    return out
+    return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], launched.guessers,
+                   round_.landing_times(launched.timer))
 
 
 def _accept(rows: list[list[int]], host: list[list[float]], D: int):
@@ -148,8 +146,7 @@ def _accept(rows: list[list[int]], host: list[list[float]], D: int):
     return counts, tokens, paths
 
 
-def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, guessers, timer,
-            since: float = 0.0) -> RoundOutput:
+def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, guessers, times) -> RoundOutput:
     """Row 0's round as a chain for events: its accepted path, then the stop node's children (all rejected); and its
     whole tree, for a view of every branch."""
     n = counts[0]
@@ -158,7 +155,7 @@ def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, gues
     draft = [nodes[i] for i in shown]
     K = len(draft)
     p = [p_row[i] for i in shown] + [p_row[tree.N]]
-    draft_s, verify_s, device_s = timer.done(since=since)
+    draft_s, verify_s, device_s = times  # `RoundTimer.done`'s
     return RoundOutput(counts, [t + [-1] * (K + 1 - len(t)) for t in tokens], draft, p, [1.0] * K, draft_s,
                        verify_s, {name: int(g) for name, g in zip(guessers, guess_row)}, device_s,
                        tree=(tree.N, tree.max_depth),
