@@ -39,6 +39,7 @@ COLUMNS_MAX_TOKENS = 10  # "columns" GEMMs serve forwards of up to this many tok
 MAX_GRAPH_TOKENS = 33  # verify of K + 1 tokens, K <= 32
 SLACK = 33  # cache slots past max_len: a draft model runs up to K tokens ahead of the target's window
 DEFAULT_MAX_LEN = 4096
+PREFILL_GRAPH_TOKENS = 512  # prompts up to this long prefill in pieces of captured graphs (CUDA)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -116,6 +117,17 @@ def fast_or_eager(model, vocab_size: int | None = None, mode: str = "auto", max_
 # The model
 
 
+PIECE = 32  # the longest piece of a prompt prefilled through graphs
+
+
+def prefill_pieces(T: int, max_tokens: int = MAX_GRAPH_TOKENS) -> list[int]:
+    """The pieces a prompt of T tokens prefills in: as many of the longest piece (32, or the largest power of two
+    up to max_tokens) as fit, then the rest's binary digits, largest first (60 -> 32, 16, 8, 4)."""
+    longest = min(PIECE, 1 << (max_tokens.bit_length() - 1))
+    rest = T % longest
+    return [longest] * (T // longest) + [1 << b for b in reversed(range(longest.bit_length())) if rest >> b & 1]
+
+
 class StaticCausalLM:
     """A Llama-family causal LM fed incrementally through a static KV cache holding the first `length` tokens.
 
@@ -134,6 +146,11 @@ class StaticCausalLM:
     path's other loops run SDPA.
     prefill_chunk: longer forwards (prompts) run eagerly in chunks of this many tokens, which bounds the
     attention mask and activations.
+    prefill_graphs: with CUDA graphs, a prompt (a forward at an empty cache) of up to this many tokens runs in pieces
+    of 32, 16, ..., 1 tokens (`prefill_pieces`), each the replay of its (T, S) graph (`capture_prefill` captures them
+    ahead, else the first use), instead of one eager forward whose hundreds of launches bound it; 0: eagerly. The
+    pieces follow from T alone, so every stream of a prompt gets the same bits. Default: 512 with graphs, else 0
+    (an explicit value without graphs runs the same pieces eagerly, with the graphs' bits).
     fuse: one GEMM for q/k/v and one for gate/up over copies of those weights concatenated here (extra memory:
     their bytes, e.g. 1.25 GB for a 1.1B Llama, 9.1 GB for an 8B); False runs separate GEMMs on the HF weights.
     gemm: how a linear layer multiplies T <= 10 tokens: "rows" = x @ W.T (F.linear), "columns" = (W @ x.T).T with
@@ -159,7 +176,7 @@ class StaticCausalLM:
     def __init__(self, model, vocab_size: int | None = None, *, max_len: int | None = None,
                  use_graphs: bool | None = None, ctx_buckets: tuple[int, ...] | None = None,
                  max_graph_tokens: int = MAX_GRAPH_TOKENS, attention: str = "auto", prefill_chunk: int = 512,
-                 fuse: bool = True, gemm: str = "auto", gguf: GGUFFile | None = None, loop: str = "auto",
+                 prefill_graphs: int | None = None, fuse: bool = True, gemm: str = "auto", gguf: GGUFFile | None = None, loop: str = "auto",
                  layer_ops: str = "auto"):
         ok, reason = is_supported(model)
         if not ok:
@@ -190,6 +207,8 @@ class StaticCausalLM:
         self.columns = not self.gguf and (gemm == "columns" or (gemm == "auto" and self.device.type == "cpu"))
         self.max_graph_tokens = max_graph_tokens
         self.prefill_chunk = max(1, int(prefill_chunk))
+        self.prefill_graphs = (PREFILL_GRAPH_TOKENS if self.use_graphs else 0) if prefill_graphs is None \
+            else max(0, int(prefill_graphs))  # the longest prompt prefilled in pieces
         self.buckets = self._make_buckets(ctx_buckets)
         self.path = "static+graphs" if self.use_graphs else f"static ({'columns GEMMs, ' if self.columns else ''}no CUDA graphs)"
         if self.gguf:
@@ -411,15 +430,14 @@ class StaticCausalLM:
         if T < 1:
             raise ValueError(f"forward needs at least one token, got ids of shape {tuple(ids.shape)}")
         self._fit_batch(B)
-        start, S = self.length, self.bucket(self.length + T)
+        start = self.length
+        self.bucket(start + T)  # raises when the cache cannot take them
         keep = T if logits_to_keep <= 0 else min(logits_to_keep, T)
-        if self.use_graphs and T <= self.max_graph_tokens and start > 0:  # a prefill's T is one-off: eager
-            self.static_ids[:, :T].copy_(ids)
-            self.static_pos[:T].copy_(self.slots[start:start + T])  # device to device: no host round trip
-            graph, out, aux = self.graphs.get((T, S, bool(self.aux_layers))) or self._capture(T, S)
-            graph.replay()
+        if start == 0 and T <= self.prefill_graphs:
+            logits, self.aux = self._prefill_pieces(ids, keep)
+        elif self.use_graphs and T <= self.max_graph_tokens and start > 0:
+            out, self.aux = self._replay(ids, start)
             logits = out[:, T - keep:]  # the graph's own buffer: converted below into a fresh tensor
-            self.aux = None if aux is None else aux.clone()
         else:
             chunks = []
             for c0 in range(0, T, self.prefill_chunk):
@@ -432,6 +450,43 @@ class StaticCausalLM:
         self.length += T
         self.forwards += 1
         return logits[..., : self.vocab_size].to(torch.float32, copy=True)
+
+    def _replay(self, ids: torch.Tensor, start: int):
+        """ids [B, T] at cache slots start.. as the replay of the (T, S) graph (captured the first time; CPU: eager):
+        (logits [B, T, V_model], the graph's own buffer; aux, a fresh tensor or None)."""
+        T = ids.shape[1]
+        S = self.bucket(start + T)
+        if not self.use_graphs:
+            return self._forward(ids, self.slots[start:start + T], S, T)
+        self.static_ids[:, :T].copy_(ids)
+        self.static_pos[:T].copy_(self.slots[start:start + T])  # device to device: no host round trip
+        graph, out, aux = self.graphs.get((T, S, bool(self.aux_layers))) or self._capture(T, S)
+        graph.replay()
+        return out, None if aux is None else aux.clone()
+
+    def _prefill_pieces(self, ids: torch.Tensor, keep: int):
+        """A prompt ids [B, T] into the empty cache in `prefill_pieces(T)`, each a graph's replay: (logits [B, keep,
+        V_model], aux [B, T, F] or None), fresh tensors."""
+        T, c0, logits, aux = ids.shape[1], 0, [], []
+        for p in prefill_pieces(T, self.max_graph_tokens):
+            c1 = c0 + p
+            out, a = self._replay(ids[:, c0:c1], c0)
+            rows = max(0, min(p, keep - (T - c1)))  # of this piece's rows, those among the last keep
+            if rows:
+                logits.append(out[:, p - rows:].clone())  # a later piece may replay the same graph
+            if a is not None:
+                aux.append(a)
+            c0 = c1
+        return torch.cat(logits, dim=1), torch.cat(aux, dim=1) if aux else None
+
+    def capture_prefill(self, max_context: int) -> int:
+        """Capture the graphs of `prefill_pieces` for prompts up to max_context tokens (and `prefill_graphs`), at the
+        current `aux_layers`; returns how many were new (0 without graphs). The cache must be empty."""
+        longest = min(max_context, self.prefill_graphs)
+        if longest < 1:
+            return 0
+        pieces = sorted(set(prefill_pieces(2 * PIECE - 1, self.max_graph_tokens)))
+        return self.capture(pieces, max_context=longest)
 
     def crop(self, length: int) -> None:
         """Roll the cache back so that it holds the first `length` tokens (slots past it are masked)."""

@@ -379,6 +379,10 @@ class DeviceRound:
         self.captured = self._captured_round(batch) if captured else None
         if not max_context:
             return
+        for lm in [self.target] + [d.lm for d in self.drafters.values() if isinstance(d, DraftModel)]:
+            if hasattr(lm, "capture_prefill"):  # the prompt's pieces (the draft models' caches are empty here too)
+                lm.reset()
+                lm.capture_prefill(max_context)
         if self.captured is not None:
             self.captured.capture(self.shapes(sampling, max_context, max_gamma, tree))
             return
@@ -414,6 +418,7 @@ class DeviceRound:
             self.captured = self._captured_round(1)
             if self.captured is None:
                 return 0
+            count += self.target.capture_prefill(max_context)
             count += self.captured.capture([shape for tree in (None, *trees)
                                             for shape in self.shapes(sampling, max_context, max_gamma, tree)])
         return count
