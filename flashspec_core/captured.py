@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from flashspec_core.drafters import DraftHeadDrafter, Proposal
 from flashspec_core.sampling import SamplingConfig, logits_to_probs_at, sampling_params
+from flashspec_core.fast_path import PIECE, prefill_pieces
 from kernels import verify, verify_tree
 
 
@@ -32,6 +33,15 @@ class Shape:
     greedy: bool
     observe: bool  # the verify forward's hidden states go through the head's first pass
     tree: "TreeSize | None" = None  # the head drafts a greedy tree of this shape (K is its size), else a chain
+
+
+@dataclass(frozen=True)
+class PromptPiece:
+    """The head's first pass over T of a prompt's slots, attending over S slots (`CapturedRound.prompt`)."""
+    T: int
+    S: int
+    greedy: bool = True  # no random draws
+    observe: bool = False  # the target does not run
 
 
 class CapturedRound:
@@ -53,6 +63,10 @@ class CapturedRound:
         self.eager_rounds = 0  # rounds that found no graph of their shape (graphs on) and ran eagerly
         if head is not None:
             head.bind(batch, target.capacity)
+            F_in = head.head.cfg.feature_size  # the aux features the head's first pass reads
+            self.features = torch.zeros((batch, PIECE, F_in), dtype=head.dtype, device=dev)  # a prompt piece's
+            self.following = torch.zeros((batch, PIECE), dtype=torch.int64, device=dev)  # token t + 1 of slot t
+            self.piece = torch.zeros(1, dtype=torch.int64, device=dev)  # the piece's first slot
         self._reads = self._buffers()  # what its graphs read: valid while the models keep these
 
     def _buffers(self) -> tuple:
@@ -82,6 +96,31 @@ class CapturedRound:
             self.generator.set_state(generator.get_state())
         return self.generator
 
+    def prompt_S(self) -> int | None:
+        """The slots a prompt piece's head pass attends over; None where the target prefills no prompt in pieces
+        (then neither does the head)."""
+        limit = getattr(self.target, "prefill_graphs", 0)
+        return self.target.bucket(limit) if self.head is not None and limit else None
+
+    def takes_prompt(self, n: int) -> bool:
+        """Whether `prompt` runs the head's first pass over a prompt of n slots."""
+        return self.prompt_S() is not None and 0 < n <= self.target.prefill_graphs
+
+    def prompt(self, rows: list[list[int]], hidden: torch.Tensor) -> None:
+        """The head's first pass over a stream's prompt (hidden [B, n, F]: slot t pairs position t's features with
+        token t + 1; `takes_prompt(n)`) in the target's prefill pieces, each a `PromptPiece` graph's replay, after
+        the head's `start` without features; the head is then current, as its own first pass would leave it."""
+        n, S = hidden.shape[1], self.prompt_S()
+        following = torch.tensor([r[1:n + 1] for r in rows], device=self.features.device)
+        c0 = 0
+        for T in prefill_pieces(n, self.target.max_graph_tokens):
+            self.features[:, :T].copy_(hidden[:, c0:c0 + T])
+            self.following[:, :T].copy_(following[:, c0:c0 + T])
+            self.piece.fill_(c0)
+            self.run(PromptPiece(T, S))
+            c0 += T
+        self.head.caught_up(n)
+
     def run(self, shape: Shape) -> torch.Tensor:
         """One round of `shape`; returns its packed host record (a graph's own buffer: read it before the next).
         A shape that was not captured runs eagerly (capturing now would write into the stream's caches)."""
@@ -108,6 +147,10 @@ class CapturedRound:
     @torch.inference_mode()
     def body(self, shape: Shape) -> torch.Tensor:
         """Draft, verify, accept test, pending token, host record, the head's update, the length: device work only."""
+        if isinstance(shape, PromptPiece):
+            pos = self.piece + self.steps[:shape.T]
+            self.head.prompt_at(self.following[:, :shape.T], self.features[:, :shape.T], pos, shape.S)
+            return self.head.fixed.guess
         if shape.tree is not None:
             return self.tree_body(shape)
         K, greedy = shape.K, shape.greedy

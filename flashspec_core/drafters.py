@@ -562,6 +562,20 @@ class DraftHeadDrafter(Drafter):
         h = self.head.step_at(self.fixed.cache, following, self.head.fuse(hidden.to(self.dtype)), pos, S)
         self._keep(h.index_select(1, kept), fixed=True)
 
+    def prompt_at(self, following: torch.Tensor, features: torch.Tensor, pos: torch.Tensor, S: int) -> None:
+        """`catch_up` over prompt slots pos [T] (a device tensor, a chain) inside a captured graph: following [B, T]
+        token t + 1 of each slot, features [B, T, F] the target's; the fixed state is the last slot's."""
+        h = self.head.step_at(self.fixed.cache, following, self.head.fuse(features), pos, S)
+        self._keep(h[:, -1:], fixed=True)
+
+    def caught_up(self, n: int) -> None:
+        """The first pass ran over the stream's first n slots in captured graphs (`prompt_at`): the cache holds them
+        and the fixed buffers the next draft's state."""
+        f = self.fixed
+        self.cache = f.cache
+        self.cache.length = n
+        self.h, self.logits, self.guess = f.h, f.logits, f.guess
+
     def propose_at(self, k: int, length: torch.Tensor, S: int, params: torch.Tensor | None, generator) -> Proposal:
         """`propose` inside a captured round from the fixed state: draft step i writes head slot length + i (device
         length [1]); params None = greedy, else `sampling_params`. Its slots are overwritten by `observe_at`."""

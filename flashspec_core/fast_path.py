@@ -128,6 +128,11 @@ def prefill_pieces(T: int, max_tokens: int = MAX_GRAPH_TOKENS) -> list[int]:
     return [longest] * (T // longest) + [1 << b for b in reversed(range(longest.bit_length())) if rest >> b & 1]
 
 
+def piece_sizes(max_tokens: int = MAX_GRAPH_TOKENS) -> list[int]:
+    """Every piece `prefill_pieces` may cut a prompt into: the graphs a prefill replays."""
+    return sorted(set(prefill_pieces(2 * PIECE - 1, max_tokens)))
+
+
 class StaticCausalLM:
     """A Llama-family causal LM fed incrementally through a static KV cache holding the first `length` tokens.
 
@@ -485,8 +490,7 @@ class StaticCausalLM:
         longest = min(max_context, self.prefill_graphs)
         if longest < 1:
             return 0
-        pieces = sorted(set(prefill_pieces(2 * PIECE - 1, self.max_graph_tokens)))
-        return self.capture(pieces, max_context=longest)
+        return self.capture(piece_sizes(self.max_graph_tokens), max_context=longest)
 
     def crop(self, length: int) -> None:
         """Roll the cache back so that it holds the first `length` tokens (slots past it are masked)."""

@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashspec_core.captured import CapturedRound, Shape, pack
+from flashspec_core.captured import CapturedRound, PromptPiece, Shape, pack
 from flashspec_core.drafters import DraftHeadDrafter, DraftModel, Drafter, NoDraft
+from flashspec_core.fast_path import piece_sizes
 from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from flashspec_core.stream import RoundOutput
@@ -171,7 +172,10 @@ class DeviceRound:
         if c is not None:
             generator = c.begin(torch.tensor([r[-1:] for r in rows], device=self.device), sampling, generator)
         for d in self.fed:
-            d.start(rows, sampling, generator, hidden=hidden if d.aux_layers else None)
+            in_graphs = c is not None and d is c.head and hidden is not None and c.takes_prompt(hidden.shape[1])
+            d.start(rows, sampling, generator, hidden=hidden if d.aux_layers and not in_graphs else None)
+            if in_graphs:  # the head's first pass over the prompt replays the prefill pieces' graphs
+                c.prompt(rows, hidden)
         self.pending = torch.tensor([r[-1:] for r in rows], device=self.device) if c is None else c.pending  # [B, 1]
         self.sync()
         return time.perf_counter() - t0
@@ -437,16 +441,20 @@ class DeviceRound:
             count += self.target.capture((), max_context=max_context, tree_counts=counts)
         return count
 
-    def shapes(self, sampling: SamplingConfig, max_context: int, max_gamma: int, tree=None) -> list[Shape]:
-        """Every shape a stream may run: the head's drafts and host ids at each K <= max_gamma, over every context
+    def shapes(self, sampling: SamplingConfig, max_context: int, max_gamma: int, tree=None) -> list:
+        """Every shape a stream may run: the head's first pass over a prompt in pieces (`PromptPiece`), its drafts and host ids at each K <= max_gamma, over every context
         bucket up to max_context, with the target's current hidden-state readers; and the head's greedy trees of
         shape `tree` (a `TreeSize`) where one is given."""
         observe, head = bool(self.target.aux_layers), self.captured.head is not None
         buckets = [S for S in self.target.buckets if S <= self.target.bucket(max_context)]
         trees = [Shape(True, tree.nodes, S, True, True, tree) for S in buckets if S > tree.nodes] \
             if tree is not None and observe and head and sampling.greedy else []
-        return trees + [Shape(h, K, S, sampling.greedy, observe) for S in buckets for K in range(max_gamma + 1)
-                        for h in ((False, True) if observe and head and K else (False,)) if S >= K + 1]
+        prompt_S = self.captured.prompt_S()
+        prompt = [PromptPiece(T, prompt_S) for T in piece_sizes(self.target.max_graph_tokens)
+                  if observe and prompt_S is not None]  # the head's first pass over a prompt
+        return prompt + trees + [Shape(h, K, S, sampling.greedy, observe) for S in buckets
+                                 for K in range(max_gamma + 1)
+                                 for h in ((False, True) if observe and head and K else (False,)) if S >= K + 1]
 
     def sync(self) -> None:
         if self.device.type == "cuda":

@@ -193,6 +193,35 @@ def test_the_head_ends_each_round_as_in_eager_rounds(tiny):
         assert rounds["eager"].captured.length.item() == rounds["eager"].target.length
 
 
+def test_the_heads_first_pass_over_a_prompt_in_pieces_leaves_its_own_state(tiny):
+    """A prompt that the target prefills in pieces (set here; a GPU's default): the captured round runs the head's
+    first pass over it in the same pieces (`PromptPiece`s, graphs on a GPU), which leave the cache, state and guess
+    of the head's own one pass; streams keep plain decoding's tokens."""
+    from flashspec_core.captured import PromptPiece
+
+    target, head = tiny
+    rounds = {mode: fresh_round(target, head, captured=mode) for mode in ("off", "eager")}
+    prompt, ran = PROMPT * 4, []  # 47 slots before the pending token: pieces of 32, 8, 4, 2, 1
+    c = rounds["eager"].captured = rounds["eager"]._captured_round(1)
+    original = c.run
+    c.run = lambda shape: ran.append(shape) or original(shape)
+    for r in rounds.values():
+        r.target.prefill_graphs = 64
+        r.start([list(prompt)], GREEDY, torch.Generator().manual_seed(0), arms=list(r.drafters))
+    assert [s.T for s in ran if isinstance(s, PromptPiece)] == [32, 8, 4, 2, 1]
+    assert set(ran) <= set(rounds["eager"].shapes(GREEDY, 64, 4))
+    a, b = (rounds[m].drafters["draft_head"] for m in ("off", "eager"))
+    n = len(prompt) - 1
+    assert a.cache.length == b.cache.length == n and b.cache is b.fixed.cache
+    torch.testing.assert_close(b.cache.k[:, :, :n], a.cache.k[:, :, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.h, a.h, atol=1e-5, rtol=1e-5)
+    assert torch.equal(b.guess, a.guess)
+    engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
+    engine.target.prefill_graphs = 64
+    plain = engine.generate(prompt, 32, mode="plain").token_ids
+    assert engine.generate(prompt, 32, drafters=["draft_head"], gamma=3).token_ids == plain
+
+
 def test_every_shape_a_stream_runs_is_listed(tiny):
     """`shapes` (what a stream captures before it starts) covers every round the stream then runs."""
     target, head = tiny

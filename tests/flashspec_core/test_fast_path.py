@@ -351,7 +351,8 @@ def teacher_forced(lm, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 def check_against_hf(model, lm, prompt, n):
     """Teacher-forced on HF eager's greedy tokens: our logits stay as close to HF eager's as HF's own SDPA path
     does (median over steps of the max deviation), and where our argmax differs from HF's token the two are
-    within that step's deviation of each other (a rounding flip, not a bug) and such flips are rare."""
+    within that step's deviation of each other (a rounding flip, not a bug) and such flips are rare (at most n / 8,
+    or twice HF SDPA's own on a model of near-ties)."""
     ids = torch.tensor([prompt], device=lm.device)
     model.config._attn_implementation = "eager"
     out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
@@ -375,7 +376,8 @@ def check_against_hf(model, lm, prompt, n):
     flips = (picked != target).nonzero().flatten().tolist()
     unexplained = [i for i in flips if gap[i] > 2 * dev[i]]
     assert not unexplained, f"argmax differs from HF at steps {unexplained} by more than the rounding there"
-    assert len(flips) <= n // 8, f"{len(flips)} of {n} steps pick another token than HF"
+    own = int((sdpa.argmax(dim=-1) != target).sum())  # HF's SDPA path's own flips: how near-tied this model is
+    assert len(flips) <= max(n // 8, 2 * own), f"{len(flips)} of {n} steps pick another token than HF ({own} by SDPA)"
     return dev.max().item(), noise.max().item()
 
 
@@ -417,7 +419,9 @@ def test_graphs_match_eager_static_and_hf_bf16(shape):
 @cuda
 def test_fused_layer_ops_give_a_verify_the_bits_of_one_token_steps_through_graphs_in_bf16():
     """layer_ops="fused" on the embedded model's shape: an 8-token verify (its own graph) gives the bits of 8
-    one-token steps (theirs), and the logits stay within bf16 rounding of the "triton" ops' (cuBLAS's products)."""
+    one-token steps (theirs), and the logits are as close to float32's as the "triton" ops' (cuBLAS's products)."""
+    import copy
+
     model = build("llama", seed=9, std=0.05, device="cuda", dtype=torch.bfloat16, shape=SMOLLM2)
     g = torch.Generator().manual_seed(12)
     prompt, new = (torch.randint(0, model.config.vocab_size, (1, n), generator=g).cuda() for n in (40, 8))
@@ -429,8 +433,9 @@ def test_fused_layer_ops_give_a_verify_the_bits_of_one_token_steps_through_graph
         lm.crop(40)
         if ops == "fused":
             assert torch.equal(lm.forward(new), logits[ops])
-    scale = logits["triton"].abs().amax()
-    assert (logits["fused"] - logits["triton"]).abs().amax() <= 0.05 * scale
+    truth = hf_logits(copy.deepcopy(model).float(), torch.cat([prompt, new], dim=1)[0].tolist(), 8)
+    error = {ops: (logits[ops] - truth).abs().amax().item() for ops in logits}
+    assert error["fused"] <= 1.25 * error["triton"], error
 
 
 @cuda
