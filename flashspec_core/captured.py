@@ -42,6 +42,7 @@ class PromptPiece:
     S: int
     greedy: bool = True  # no random draws
     observe: bool = False  # the target does not run
+    tree: None = None  # no draft
 
 
 class CapturedRound:
@@ -100,7 +101,7 @@ class CapturedRound:
         """The slots a prompt piece's head pass attends over; None where the target prefills no prompt in pieces
         (then neither does the head)."""
         limit = getattr(self.target, "prefill_graphs", 0)
-        return self.target.bucket(limit) if self.head is not None and limit else None
+        return self.target.bucket(min(limit, self.target.capacity)) if self.head is not None and limit else None
 
     def takes_prompt(self, n: int) -> bool:
         """Whether `prompt` runs the head's first pass over a prompt of n slots."""
