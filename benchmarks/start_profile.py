@@ -3,8 +3,8 @@
     python -m benchmarks.start_profile [--prompts 12] [--tree auto] [--dtype bfloat16]
 
 The engine as `benchmarks.run` builds it (embedded model, warm-up), then for each hand-written open prompt a plain
-stream and a draft-head stream (the tree's, `--tree`) of a few tokens, cold, with the target's prompt prefilled in
-graph pieces (`StaticCausalLM.prefill_graphs`, the default on a GPU) and again in one eager forward. Each part of
+stream and a draft-head stream (the tree's, `--tree`) of a few tokens, cold, with the target's prompt prefilled as
+one padded graph (`StaticCausalLM.prefill_graphs`, the default on a GPU) and again as one eager forward. Each part of
 the start is timed with a device sync before and after it (so the parts add up to a little more than the start
 alone), the start itself without them. Writes JSON under benchmarks/results/ and prints a table of medians.
 Numbers, not assertions.
@@ -98,21 +98,21 @@ def main(argv=None) -> int:
     warm = engine.warm_up(512, trees=[tree] if tree else ())
     parts = instrument(engine)
     configs = {"plain": dict(mode="plain"), "head": dict(drafters=["draft_head"], tree=tree)}
-    lm, pieces = engine.target, getattr(engine.target, "prefill_graphs", 0)
+    lm, graphs = engine.target, getattr(engine.target, "prefill_graphs", 0)
     rows = []
     for p in load_prompt_set("open")[:args.prompts]:
         n = len(engine.encode(p["prompt"]))
-        for prefill in ("pieces", "one forward"):
-            lm.prefill_graphs = pieces if prefill == "pieces" else 0
+        for prefill in ("graph", "eager"):
+            lm.prefill_graphs = graphs if prefill == "graph" else 0
             for name, kw in configs.items():
                 one_start(engine, parts, p["prompt"], kw)  # anything this prompt captures, outside the timed runs
                 rows.append({"prompt": p["kind"], "tokens": n, "prefill": prefill, "config": name,
                              **one_start(engine, parts, p["prompt"], kw)})
-    lm.prefill_graphs = pieces
+    lm.prefill_graphs = graphs
     keys = sorted({k for r in rows for k in r} - {"prompt", "tokens", "prefill", "config"})
     print(f"warm-up {warm:.1f} s; medians over {args.prompts} prompts (ms)")
     print(f"{'prefill':>12} {'config':>6} " + " ".join(f"{k:>15}" for k in keys))
-    for prefill in ("pieces", "one forward"):
+    for prefill in ("graph", "eager"):
         for name in configs:
             sel = [r for r in rows if r["prefill"] == prefill and r["config"] == name]
             print(f"{prefill:>12} {name:>6} " + " ".join(f"{median(r.get(k, 0.0) for r in sel):15.2f}" for k in keys))

@@ -20,9 +20,26 @@ import torch
 import torch.nn.functional as F
 
 from flashspec_core.drafters import DraftHeadDrafter, Proposal
+from flashspec_core.fast_path import MAX_GRAPH_TOKENS
 from flashspec_core.sampling import SamplingConfig, logits_to_probs_at, sampling_params
-from flashspec_core.fast_path import PIECE, prefill_pieces
 from kernels import verify, verify_tree
+
+
+PIECE = 32  # the longest piece of a prompt the head takes in one graph
+
+
+def prompt_pieces(T: int, max_tokens: int = MAX_GRAPH_TOKENS) -> list[int]:
+    """The pieces the head's first pass takes a prompt of T slots in: as many of the longest piece (32, or the
+    largest power of two up to max_tokens) as fit, then the rest's binary digits, largest first (60 -> 32, 16, 8,
+    4). They follow from T alone."""
+    longest = min(PIECE, 1 << (max_tokens.bit_length() - 1))
+    rest = T % longest
+    return [longest] * (T // longest) + [1 << b for b in reversed(range(longest.bit_length())) if rest >> b & 1]
+
+
+def piece_sizes(max_tokens: int = MAX_GRAPH_TOKENS) -> list[int]:
+    """Every piece `prompt_pieces` may cut a prompt into: the head's prompt graphs."""
+    return sorted(set(prompt_pieces(2 * PIECE - 1, max_tokens)))
 
 
 @dataclass(frozen=True)
@@ -109,12 +126,12 @@ class CapturedRound:
 
     def prompt(self, rows: list[list[int]], hidden: torch.Tensor) -> None:
         """The head's first pass over a stream's prompt (hidden [B, n, F]: slot t pairs position t's features with
-        token t + 1; `takes_prompt(n)`) in the target's prefill pieces, each a `PromptPiece` graph's replay, after
-        the head's `start` without features; the head is then current, as its own first pass would leave it."""
+        token t + 1; `takes_prompt(n)`) in `prompt_pieces`, each a `PromptPiece` graph's replay, after the head's
+        `start` without features; the head is then current, as its own first pass would leave it."""
         n, S = hidden.shape[1], self.prompt_S()
         following = torch.tensor([r[1:n + 1] for r in rows], device=self.features.device)
         c0 = 0
-        for T in prefill_pieces(n, self.target.max_graph_tokens):
+        for T in prompt_pieces(n, self.target.max_graph_tokens):
             self.features[:, :T].copy_(hidden[:, c0:c0 + T])
             self.following[:, :T].copy_(following[:, c0:c0 + T])
             self.piece.fill_(c0)

@@ -39,7 +39,8 @@ COLUMNS_MAX_TOKENS = 10  # "columns" GEMMs serve forwards of up to this many tok
 MAX_GRAPH_TOKENS = 33  # verify of K + 1 tokens, K <= 32
 SLACK = 33  # cache slots past max_len: a draft model runs up to K tokens ahead of the target's window
 DEFAULT_MAX_LEN = 4096
-PREFILL_GRAPH_TOKENS = 512  # prompts up to this long prefill in pieces of captured graphs (CUDA)
+PREFILL_GRAPH_TOKENS = 512  # prompts padded up to this long prefill as one captured graph (CUDA)
+PREFILL_MIN = 16  # the shortest padded prompt
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -117,20 +118,9 @@ def fast_or_eager(model, vocab_size: int | None = None, mode: str = "auto", max_
 # The model
 
 
-PIECE = 32  # the longest piece of a prompt prefilled through graphs
-
-
-def prefill_pieces(T: int, max_tokens: int = MAX_GRAPH_TOKENS) -> list[int]:
-    """The pieces a prompt of T tokens prefills in: as many of the longest piece (32, or the largest power of two
-    up to max_tokens) as fit, then the rest's binary digits, largest first (60 -> 32, 16, 8, 4)."""
-    longest = min(PIECE, 1 << (max_tokens.bit_length() - 1))
-    rest = T % longest
-    return [longest] * (T // longest) + [1 << b for b in reversed(range(longest.bit_length())) if rest >> b & 1]
-
-
-def piece_sizes(max_tokens: int = MAX_GRAPH_TOKENS) -> list[int]:
-    """Every piece `prefill_pieces` may cut a prompt into: the graphs a prefill replays."""
-    return sorted(set(prefill_pieces(2 * PIECE - 1, max_tokens)))
+def padded(T: int) -> int:
+    """The tokens a prompt of T prefills as on `StaticCausalLM.prefill_graphs`: the next power of two, >= 16."""
+    return max(PREFILL_MIN, 1 << (T - 1).bit_length())
 
 
 class StaticCausalLM:
@@ -151,11 +141,12 @@ class StaticCausalLM:
     path's other loops run SDPA.
     prefill_chunk: longer forwards (prompts) run eagerly in chunks of this many tokens, which bounds the
     attention mask and activations.
-    prefill_graphs: with CUDA graphs, a prompt (a forward at an empty cache) of up to this many tokens runs in pieces
-    of 32, 16, ..., 1 tokens (`prefill_pieces`), each the replay of its (T, S) graph (`capture_prefill` captures them
-    ahead, else the first use), instead of one eager forward whose hundreds of launches bound it; 0: eagerly. The
-    pieces follow from T alone, so every stream of a prompt gets the same bits. Default: 512 with graphs, else 0
-    (an explicit value without graphs runs the same pieces eagerly, with the graphs' bits).
+    prefill_graphs: with CUDA graphs, a prompt (a forward at an empty cache) of T tokens with `padded(T)` (the next
+    power of two, at least 16) up to this many runs as the replay of the graph of that many (`capture_prefill`
+    captures them ahead, else the first use), the pad ids after the prompt: one replay where an eager forward is
+    hundreds of launches. The prompt's rows never see the pads (causal), whose cache slots lie past the length. The
+    padded size follows from T alone, so every stream of a prompt gets the same bits. Default: 512 with graphs,
+    else 0 (an explicit value without graphs runs the same padded forward eagerly, with the graphs' bits).
     fuse: one GEMM for q/k/v and one for gate/up over copies of those weights concatenated here (extra memory:
     their bytes, e.g. 1.25 GB for a 1.1B Llama, 9.1 GB for an 8B); False runs separate GEMMs on the HF weights.
     gemm: how a linear layer multiplies T <= 10 tokens: "rows" = x @ W.T (F.linear), "columns" = (W @ x.T).T with
@@ -213,7 +204,7 @@ class StaticCausalLM:
         self.max_graph_tokens = max_graph_tokens
         self.prefill_chunk = max(1, int(prefill_chunk))
         self.prefill_graphs = (PREFILL_GRAPH_TOKENS if self.use_graphs else 0) if prefill_graphs is None \
-            else max(0, int(prefill_graphs))  # the longest prompt prefilled in pieces
+            else max(0, int(prefill_graphs))  # the longest padded prompt prefilled as one graph
         self.buckets = self._make_buckets(ctx_buckets)
         self.path = "static+graphs" if self.use_graphs else f"static ({'columns GEMMs, ' if self.columns else ''}no CUDA graphs)"
         if self.gguf:
@@ -401,9 +392,10 @@ class StaticCausalLM:
         self.wide = [torch.empty((2, batch, self.n_kv, self.capacity, self.head_dim)) for _ in self.layers] \
             if self.attention == "ordered" else []
         self.widened = 0
-        self.static_ids = torch.zeros((batch, self.max_graph_tokens), dtype=torch.int64, device=self.device)
-        self.static_pos = torch.zeros((self.max_graph_tokens,), dtype=torch.int64, device=self.device)
-        self.static_rope = torch.zeros((self.max_graph_tokens,), dtype=torch.int64, device=self.device)
+        width = max(self.max_graph_tokens, min(self.prefill_graphs, self.capacity))  # a verify's, a padded prompt's
+        self.static_ids = torch.zeros((batch, width), dtype=torch.int64, device=self.device)
+        self.static_pos = torch.zeros((width,), dtype=torch.int64, device=self.device)
+        self.static_rope = torch.zeros((width,), dtype=torch.int64, device=self.device)
         self.graphs.clear()
         self.tree_graphs.clear()
         self.batch = batch
@@ -438,8 +430,8 @@ class StaticCausalLM:
         start = self.length
         self.bucket(start + T)  # raises when the cache cannot take them
         keep = T if logits_to_keep <= 0 else min(logits_to_keep, T)
-        if start == 0 and T <= self.prefill_graphs:
-            logits, self.aux = self._prefill_pieces(ids, keep)
+        if start == 0 and padded(T) <= min(self.prefill_graphs, self.capacity):
+            logits, self.aux = self._prefill_padded(ids, keep)
         elif self.use_graphs and T <= self.max_graph_tokens and start > 0:
             out, self.aux = self._replay(ids, start)
             logits = out[:, T - keep:]  # the graph's own buffer: converted below into a fresh tensor
@@ -469,28 +461,29 @@ class StaticCausalLM:
         graph.replay()
         return out, None if aux is None else aux.clone()
 
-    def _prefill_pieces(self, ids: torch.Tensor, keep: int):
-        """A prompt ids [B, T] into the empty cache in `prefill_pieces(T)`, each a graph's replay: (logits [B, keep,
-        V_model], aux [B, T, F] or None), fresh tensors."""
-        T, c0, logits, aux = ids.shape[1], 0, [], []
-        for p in prefill_pieces(T, self.max_graph_tokens):
-            c1 = c0 + p
-            out, a = self._replay(ids[:, c0:c1], c0)
-            rows = max(0, min(p, keep - (T - c1)))  # of this piece's rows, those among the last keep
-            if rows:
-                logits.append(out[:, p - rows:].clone())  # a later piece may replay the same graph
-            if a is not None:
-                aux.append(a)
-            c0 = c1
-        return torch.cat(logits, dim=1), torch.cat(aux, dim=1) if aux else None
+    def _prefill_padded(self, ids: torch.Tensor, keep: int):
+        """A prompt ids [B, T] into the empty cache as one forward of `padded(T)` tokens, pad ids after it: (logits
+        [B, keep, V_model], a view of the graph's buffer; aux [B, T, F] or None)."""
+        T = ids.shape[1]
+        out, aux = self._replay(F.pad(ids, (0, padded(T) - T)), 0)
+        return out[:, T - keep:T], None if aux is None else aux[:, :T]
 
     def capture_prefill(self, max_context: int) -> int:
-        """Capture the graphs of `prefill_pieces` for prompts up to max_context tokens (and `prefill_graphs`), at the
-        current `aux_layers`; returns how many were new (0 without graphs). The cache must be empty."""
-        longest = min(max_context, self.prefill_graphs)
-        if longest < 1:
+        """Capture the padded prompts' graphs (`prefill_graphs`) for prompts up to max_context tokens, at the current
+        `aux_layers`; returns how many were new (0 without graphs). The cache must be empty."""
+        if not self.use_graphs:
             return 0
-        return self.capture(piece_sizes(self.max_graph_tokens), max_context=longest)
+        if self.length:
+            raise ValueError("capture_prefill() writes into the cache: call it before generating or after reset()")
+        count, P = 0, PREFILL_MIN
+        while P <= min(self.prefill_graphs, self.capacity, padded(max_context)):
+            S = self.bucket(P)
+            if (P, S, bool(self.aux_layers)) not in self.graphs:
+                self.static_pos[:P].copy_(self.slots[:P])
+                self._capture(P, S)
+                count += 1
+            P *= 2
+        return count
 
     def crop(self, length: int) -> None:
         """Roll the cache back so that it holds the first `length` tokens (slots past it are masked)."""

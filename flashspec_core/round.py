@@ -46,9 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashspec_core.captured import CapturedRound, PromptPiece, Shape, pack
+from flashspec_core.captured import CapturedRound, PromptPiece, Shape, pack, piece_sizes
 from flashspec_core.drafters import DraftHeadDrafter, DraftModel, Drafter, NoDraft
-from flashspec_core.fast_path import piece_sizes
 from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from flashspec_core.stream import RoundOutput
@@ -174,7 +173,7 @@ class DeviceRound:
         for d in self.fed:
             in_graphs = c is not None and d is c.head and hidden is not None and c.takes_prompt(hidden.shape[1])
             d.start(rows, sampling, generator, hidden=hidden if d.aux_layers and not in_graphs else None)
-            if in_graphs:  # the head's first pass over the prompt replays the prefill pieces' graphs
+            if in_graphs:  # the head's first pass over the prompt replays graphs
                 c.prompt(rows, hidden)
         self.pending = torch.tensor([r[-1:] for r in rows], device=self.device) if c is None else c.pending  # [B, 1]
         self.sync()

@@ -193,10 +193,18 @@ def test_the_head_ends_each_round_as_in_eager_rounds(tiny):
         assert rounds["eager"].captured.length.item() == rounds["eager"].target.length
 
 
+def test_prompt_pieces_follow_the_prompt_length_alone():
+    from flashspec_core.captured import prompt_pieces
+
+    assert prompt_pieces(60) == [32, 16, 8, 4] and prompt_pieces(100) == [32, 32, 32, 4]
+    assert prompt_pieces(1) == [1] and prompt_pieces(32) == [32] and prompt_pieces(31) == [16, 8, 4, 2, 1]
+    assert prompt_pieces(20, max_tokens=9) == [8, 8, 4]  # the longest piece fits the graphs' buffers
+
+
 def test_the_heads_first_pass_over_a_prompt_in_pieces_leaves_its_own_state(tiny):
-    """A prompt that the target prefills in pieces (set here; a GPU's default): the captured round runs the head's
-    first pass over it in the same pieces (`PromptPiece`s, graphs on a GPU), which leave the cache, state and guess
-    of the head's own one pass; streams keep plain decoding's tokens."""
+    """A prompt that the target prefills as a graph (set here; a GPU's default): the captured round runs the head's
+    first pass over it in pieces (`PromptPiece`s, graphs on a GPU), which leave the cache, state and guess of the
+    head's own one pass; streams keep plain decoding's tokens."""
     from flashspec_core.captured import PromptPiece
 
     target, head = tiny

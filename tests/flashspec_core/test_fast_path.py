@@ -6,7 +6,7 @@ CPU tests run the static cache eagerly; the CUDA tests add CUDA graphs and bf16.
 import pytest
 import torch
 
-from flashspec_core.fast_path import PREFILL_GRAPH_TOKENS, StaticCausalLM, fast_or_eager, is_supported, prefill_pieces
+from flashspec_core.fast_path import PREFILL_GRAPH_TOKENS, StaticCausalLM, fast_or_eager, is_supported, padded
 from flashspec_core.models import CausalLM
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -132,33 +132,28 @@ def test_long_prefill_in_chunks_through_sdpa_matches_hf(keep):
         StaticCausalLM(model, attention="flash")
 
 
-def test_prefill_pieces_follow_the_prompt_length_alone():
-    assert prefill_pieces(60) == [32, 16, 8, 4] and prefill_pieces(100) == [32, 32, 32, 4]
-    assert prefill_pieces(1) == [1] and prefill_pieces(32) == [32] and prefill_pieces(31) == [16, 8, 4, 2, 1]
-    assert prefill_pieces(20, max_tokens=9) == [8, 8, 4]  # the longest piece fits the graphs' buffers
-
-
 @pytest.mark.parametrize("keep", [0, 1, 7])
-def test_a_prompt_prefilled_in_pieces_matches_one_forward_and_hf(keep):
-    """The pieces (run eagerly here; CUDA graphs replay them) give the one-forward logits, the aux hidden states
-    the draft head reads for every prompt slot, and the same cache: the next forward agrees too. A prompt past
-    prefill_graphs takes the one forward."""
+def test_a_prompt_prefilled_padded_matches_one_forward_and_hf(keep):
+    """A prompt run as one forward of `padded(T)` tokens (eagerly here; a CUDA graph replays it) gives the unpadded
+    forward's logits, the aux hidden states the draft head reads for every prompt slot, and a cache the next forward
+    reads as if no pad had been there. A prompt padded past prefill_graphs takes the plain forward."""
+    assert [padded(T) for T in (1, 16, 17, 45, 64, 65, 300)] == [16, 16, 32, 64, 64, 128, 512]
     model = build("llama", seed=21)
-    seq = torch.randint(0, 97, (1, 50), generator=torch.Generator().manual_seed(22))
-    whole, pieces = StaticCausalLM(model, max_len=128), StaticCausalLM(model, max_len=128, prefill_graphs=48)
-    assert whole.prefill_graphs == 0 and pieces.prefill_graphs == 48
+    seq = torch.randint(0, 97, (1, 80), generator=torch.Generator().manual_seed(22))
+    whole, pads = StaticCausalLM(model, max_len=128), StaticCausalLM(model, max_len=128, prefill_graphs=64)
+    assert whole.prefill_graphs == 0 and pads.prefill_graphs == 64
     out = {}
-    for lm in (whole, pieces):
+    for lm in (whole, pads):
         lm.aux_layers = (0, 1)
-        out[lm] = lm.forward(seq[:, :45], logits_to_keep=keep), lm.aux, lm.forward(seq[:, 45:])
+        out[lm] = lm.forward(seq[:, :45], logits_to_keep=keep), lm.aux, lm.forward(seq[:, 45:50])
         assert lm.length == 50 and out[lm][1].shape == (1, 45, 2 * 64)
-    for a, b in zip(out[whole], out[pieces]):
+    for a, b in zip(out[whole], out[pads]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out[pieces][0], hf_logits(model, seq[0, :45].tolist(), 45)[:, 45 - (keep or 45):],
+    torch.testing.assert_close(out[pads][0], hf_logits(model, seq[0, :45].tolist(), 45)[:, 45 - (keep or 45):],
                                atol=1e-4, rtol=1e-4)
-    for lm in (whole, pieces):  # 49 tokens: past prefill_graphs, one forward on both
+    for lm in (whole, pads):  # 70 tokens pad to 128: past prefill_graphs, the plain forward on both
         lm.reset()
-    assert torch.equal(whole.forward(seq[:, :49]), pieces.forward(seq[:, :49]))
+    assert torch.equal(whole.forward(seq[:, :70]), pads.forward(seq[:, :70]))
 
 
 @pytest.mark.parametrize("arch,overrides", [
@@ -399,7 +394,7 @@ def test_graphs_match_eager_static_and_hf_bf16(shape):
     eager = StaticCausalLM(model, max_len=256, use_graphs=False, prefill_graphs=PREFILL_GRAPH_TOKENS)  # same pieces
     assert graphs.path.startswith("static+graphs")
     tokens, logits = static_greedy(graphs, prompt, 64, return_logits=True)
-    assert {(32, 256, False), (8, 256, False)} <= set(graphs.graphs)  # the 40-token prompt's pieces, replayed
+    assert (64, 256, False) in graphs.graphs  # the 40-token prompt, padded to 64, replayed
     tokens_eager, logits_eager = static_greedy(eager, prompt, 64, return_logits=True)
     assert tokens == tokens_eager  # same kernels, replayed: bit for bit
     torch.testing.assert_close(logits, logits_eager, atol=0, rtol=0)
