@@ -468,6 +468,7 @@ class StaticCausalLM:
         out, aux = self._replay(F.pad(ids, (0, padded(T) - T)), 0)
         return out[:, T - keep:T], None if aux is None else aux[:, :T]
 
+    @torch.inference_mode()
     def capture_prefill(self, max_context: int) -> int:
         """Capture the padded prompts' graphs (`prefill_graphs`) for prompts up to max_context tokens, at the current
         `aux_layers`; returns how many were new (0 without graphs). The cache must be empty."""
