@@ -68,6 +68,7 @@ def instrument(engine: Engine) -> Parts:
         parts.wrap(d, "start", f"{name} start")
     if r._built is not None:
         parts.wrap(r._built, "begin", "captured begin")
+        parts.wrap(r._built, "prompt", "head prompt graphs")
     return parts
 
 
