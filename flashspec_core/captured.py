@@ -115,8 +115,8 @@ class CapturedRound:
         return self.generator
 
     def prompt_S(self) -> int | None:
-        """The slots a prompt piece's head pass attends over; None where the target prefills no prompt in pieces
-        (then neither does the head)."""
+        """The slots a prompt piece's head pass attends over; None where the target prefills no prompt as a graph
+        (then the head takes its prompt in its own one pass)."""
         limit = getattr(self.target, "prefill_graphs", 0)
         return self.target.bucket(min(limit, self.target.capacity)) if self.head is not None and limit else None
 

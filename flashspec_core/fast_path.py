@@ -172,8 +172,8 @@ class StaticCausalLM:
     def __init__(self, model, vocab_size: int | None = None, *, max_len: int | None = None,
                  use_graphs: bool | None = None, ctx_buckets: tuple[int, ...] | None = None,
                  max_graph_tokens: int = MAX_GRAPH_TOKENS, attention: str = "auto", prefill_chunk: int = 512,
-                 prefill_graphs: int | None = None, fuse: bool = True, gemm: str = "auto", gguf: GGUFFile | None = None, loop: str = "auto",
-                 layer_ops: str = "auto"):
+                 prefill_graphs: int | None = None, fuse: bool = True, gemm: str = "auto",
+                 gguf: GGUFFile | None = None, loop: str = "auto", layer_ops: str = "auto"):
         ok, reason = is_supported(model)
         if not ok:
             raise ValueError(f"StaticCausalLM cannot run this model: {reason}")

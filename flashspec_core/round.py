@@ -383,7 +383,7 @@ class DeviceRound:
         if not max_context:
             return
         for lm in [self.target] + [d.lm for d in self.drafters.values() if isinstance(d, DraftModel)]:
-            if hasattr(lm, "capture_prefill"):  # the prompt's pieces (the draft models' caches are empty here too)
+            if hasattr(lm, "capture_prefill"):  # the padded prompts' graphs (the draft models' caches are empty too)
                 lm.reset()
                 lm.capture_prefill(max_context)
         if self.captured is not None:
@@ -441,9 +441,9 @@ class DeviceRound:
         return count
 
     def shapes(self, sampling: SamplingConfig, max_context: int, max_gamma: int, tree=None) -> list:
-        """Every shape a stream may run: the head's first pass over a prompt in pieces (`PromptPiece`), its drafts and host ids at each K <= max_gamma, over every context
-        bucket up to max_context, with the target's current hidden-state readers; and the head's greedy trees of
-        shape `tree` (a `TreeSize`) where one is given."""
+        """Every shape a stream may run: the head's first pass over a prompt in pieces (`PromptPiece`), its drafts
+        and host ids at each K <= max_gamma, over every context bucket up to max_context, with the target's current
+        hidden-state readers; and the head's greedy trees of shape `tree` (a `TreeSize`) where one is given."""
         observe, head = bool(self.target.aux_layers), self.captured.head is not None
         buckets = [S for S in self.target.buckets if S <= self.target.bucket(max_context)]
         trees = [Shape(True, tree.nodes, S, True, True, tree) for S in buckets if S > tree.nodes] \
