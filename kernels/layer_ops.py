@@ -164,28 +164,28 @@ if triton is not None:
         tl.store(out_ptr + row * I + i, _silu_mul(g.to(tl.float32), u, g.dtype).to(g.dtype), mask=keep)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+    def _norm_row(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
+        """One row of N: x_ptr's, normed with w_ptr's weights (`_normed`), into out_ptr."""
         n = tl.arange(0, BLOCK)
         keep = n < N
-        x = tl.load(x_ptr + row * N + n, mask=keep, other=0.0)
+        x = tl.load(x_ptr + n, mask=keep, other=0.0)
         w = tl.load(w_ptr + n, mask=keep, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * N + n, _normed(x.to(tl.float32), w, N, eps, x.dtype).to(x.dtype), mask=keep)
+        tl.store(out_ptr + n, _normed(x.to(tl.float32), w, N, eps, x.dtype).to(x.dtype), mask=keep)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        _norm_row(x_ptr + row * N, w_ptr, out_ptr + row * N, N, eps, BLOCK)
 
     @triton.jit
     def _rms_norm_pair_kernel(a_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
         """Program (row, side): side 0 norms a's row into out[row, :N], side 1 b's into out[row, N:] ([rows, 2N])."""
         row, side = tl.program_id(0), tl.program_id(1)
-        n = tl.arange(0, BLOCK)
-        keep = n < N
+        out = out_ptr + row * 2 * N + side * N
         if side == 0:
-            x = tl.load(a_ptr + row * N + n, mask=keep, other=0.0)
-            w = tl.load(wa_ptr + n, mask=keep, other=0.0).to(tl.float32)
+            _norm_row(a_ptr + row * N, wa_ptr, out, N, eps, BLOCK)
         else:
-            x = tl.load(b_ptr + row * N + n, mask=keep, other=0.0)
-            w = tl.load(wb_ptr + n, mask=keep, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * 2 * N + side * N + n, _normed(x.to(tl.float32), w, N, eps, x.dtype).to(x.dtype),
-                 mask=keep)
+            _norm_row(b_ptr + row * N, wb_ptr, out, N, eps, BLOCK)
 
     @triton.jit
     def _tile(w_ptr, n, k, live_n, live_k, K):
