@@ -122,7 +122,8 @@ class CapturedRound:
 
     def takes_prompt(self, n: int) -> bool:
         """Whether `prompt` runs the head's first pass over a prompt of n slots."""
-        return self.prompt_S() is not None and 0 < n <= self.target.prefill_graphs
+        S = self.prompt_S()
+        return S is not None and 0 < n <= min(self.target.prefill_graphs, S)
 
     def prompt(self, rows: list[list[int]], hidden: torch.Tensor) -> None:
         """The head's first pass over a stream's prompt (hidden [B, n, F]: slot t pairs position t's features with
@@ -222,6 +223,8 @@ class CapturedRound:
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self.length.zero_()
+                if self.head is not None:
+                    self.piece.zero_()  # a prompt piece's warm-up writes slots from 0, inside any cache
                 self.body(shape)
         torch.cuda.current_stream(dev).wait_stream(stream)
         self.length.zero_()
