@@ -185,14 +185,7 @@ class StaticCausalLM:
         if self.gguf and self.device.type != "cpu":
             raise ValueError(f"the GGUF 4-bit weights run on the CPU only; this model is on {self.device}")
         self.dtype = torch.bfloat16 if self.gguf else model.model.embed_tokens.weight.dtype  # activations, KV cache
-        window = int(getattr(config, "max_position_embeddings", DEFAULT_MAX_LEN))
-        self.max_len = int(max_len or min(window, DEFAULT_MAX_LEN))
-        if self.max_len < 1:
-            raise ValueError(f"max_len must be positive, got {max_len!r}")
-        self.capacity = -(-(self.max_len + SLACK) // 64) * 64  # slots per layer, a multiple of 64 (mask alignment)
-        self.use_graphs = self.device.type == "cuda" if use_graphs is None else bool(use_graphs)
-        if self.use_graphs and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA model; this one is on {self.device}")
+        self._size(max_len, use_graphs)
         if attention not in ATTENTION:
             raise ValueError(f"unknown attention {attention!r}; expected one of {list(ATTENTION)}")
         self.attention = "sdpa" if self.gguf and attention == "auto" else attention  # bf16 SDPA: one op, 3x faster
@@ -206,17 +199,13 @@ class StaticCausalLM:
         self.prefill_graphs = (PREFILL_GRAPH_TOKENS if self.use_graphs else 0) if prefill_graphs is None \
             else max(0, int(prefill_graphs))  # the longest padded prompt prefilled as one graph
         self.buckets = self._make_buckets(ctx_buckets)
-        self.path = "static+graphs" if self.use_graphs else f"static ({'columns GEMMs, ' if self.columns else ''}no CUDA graphs)"
-        if self.gguf:
-            self.path = "static (GGUF Q4_1 weights, bfloat16 activations)"
         self.fuse = bool(fuse)
         self.loop = self._pick_loop(model, loop)
         self.layer_ops = self._pick_ops(layer_ops)  # "torch", "triton" or "fused"
         self.ops = LAYER_OPS[self.layer_ops]
         if self.gguf and attention == "auto" and self.loop == "native":
             self.attention = "ordered"  # each query's keys in slot order: tree verifies equal one-token steps
-        if self.loop == "native":
-            self.path = "static (GGUF Q4_1 weights, int8 activation blocks, native kernels)"
+        self.path = self._describe()
         self._take_weights(model, gguf)
         self._loop = self._make_loop()
         self.batch = 0
@@ -231,6 +220,27 @@ class StaticCausalLM:
         self._allocate(1)
         self.length = 0
         self.forwards = 0
+
+    def _size(self, max_len: int | None, use_graphs: bool | None) -> None:
+        """The context window (max_len), the cache's slots a layer (capacity) and whether forwards replay graphs."""
+        window = int(getattr(self.config, "max_position_embeddings", DEFAULT_MAX_LEN))
+        self.max_len = int(max_len or min(window, DEFAULT_MAX_LEN))
+        if self.max_len < 1:
+            raise ValueError(f"max_len must be positive, got {max_len!r}")
+        self.capacity = -(-(self.max_len + SLACK) // 64) * 64  # slots per layer, a multiple of 64 (mask alignment)
+        self.use_graphs = self.device.type == "cuda" if use_graphs is None else bool(use_graphs)
+        if self.use_graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model; this one is on {self.device}")
+
+    def _describe(self) -> str:
+        """The path in words (the app and the benchmarks show it)."""
+        if self.loop == "native":
+            return "static (GGUF Q4_1 weights, int8 activation blocks, native kernels)"
+        if self.gguf:
+            return "static (GGUF Q4_1 weights, bfloat16 activations)"
+        path = "static+graphs" if self.use_graphs else f"static ({'columns GEMMs, ' if self.columns else ''}no CUDA graphs)"
+        ops = {"triton": ", Triton layer ops", "fused": ", Triton layer ops with fused GEMV products"}
+        return path + ops.get(self.layer_ops, "")
 
     def _take_weights(self, model, gguf: GGUFFile | None) -> None:
         """The shapes, the weights each product runs on (packed from the GGUF's blocks when given) and the
@@ -306,7 +316,6 @@ class StaticCausalLM:
             if not (on and layer_ops_kernels.triton is not None and not self.gguf):
                 raise ValueError(f"layer_ops={layer_ops!r} needs CUDA (or TRITON_INTERPRET=1), triton and a model "
                                  "that is not on the GGUF path")
-            self.path += ", Triton layer ops"
         if layer_ops == "fused":
             biased = [name for name, m in self.model.named_modules() if getattr(m, "bias", None) is not None
                       and isinstance(m, torch.nn.Linear)]
@@ -315,7 +324,6 @@ class StaticCausalLM:
                                  f"without biases; this model has {'fuse=False' if not self.fuse else 'biases'} "
                                  f"({', '.join(biased[:3])}{', ...' if len(biased) > 3 else ''}): use "
                                  f"layer_ops='triton'")
-            self.path += " with fused GEMV products"
         return layer_ops
 
     def _make_loop(self):
