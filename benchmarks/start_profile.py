@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         for name in configs:
             sel = [r for r in rows if r["prefill"] == prefill and r["config"] == name]
             print(f"{prefill:>12} {name:>6} " + " ".join(f"{median(r.get(k, 0.0) for r in sel):15.2f}" for k in keys))
-    out = RESULTS / f"start_profile_{engine.target.device.type}_{args.dtype}{args.tag}.json"
+    out = RESULTS / f"start_profile_{engine.target.device.type}_{engine.precision}{args.tag}.json"
     out.write_text(json.dumps({"environment": environment(), "warm_up_s": warm, "rows": rows}, indent=1))
     print(f"wrote {out}")
     return 0
