@@ -18,6 +18,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import os
 import platform
 import pstats
@@ -351,18 +352,32 @@ def table(rows, env) -> str:
     lines = [f"{where}, precision {env.get('precision', env['dtype'])}, {env['paths']['target']}, torch {env['torch']}, "
              f"transformers {env['transformers']}, commit {env['commit']}", "",
              "| prompt | config | tokens | tok/s | speedup vs own plain | vs llama.cpp plain | acceptance | "
-             "tokens/target forward | draft ms/token | round ms median / max after the 1st | host ms/round | "
-             "same ids as plain |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "tokens/target forward | draft ms/token | start ms | round ms median / max after the 1st | "
+             "host ms/round | same ids as plain |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     llama = {r["prompt"]: r["tok_per_s"] for r in rows if r["config"] == "llama.cpp:plain"}
     for r in rows:
         peer = fmt(r["tok_per_s"] / llama[r["prompt"]], ".2f") + "x" if r["prompt"] in llama else "-"
         lines.append(f"| {r['prompt']} | {r['config']} | {r['tokens']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | {peer} | "
                      f"{fmt(r.get('acceptance'), '.2f')} | {fmt(r.get('tokens_per_forward'), '.2f')} | "
-                     f"{fmt(r.get('draft_ms_per_token'), '.1f')} | {fmt(r.get('round_ms_median'), '.2f')} / "
+                     f"{fmt(r.get('draft_ms_per_token'), '.1f')} | {fmt(r.get('prefill_ms'), '.1f')} | "
+                     f"{fmt(r.get('round_ms_median'), '.2f')} / "
                      f"{fmt(r.get('round_ms_max_after_first'), '.2f')} | {fmt(r.get('host_ms_per_round'), '.2f')} | "
                      f"{r['same_as_plain']} |")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + summary(rows))
+
+
+def summary(rows) -> list[str]:
+    """Per config over the prompts: the geometric mean of its speedups over own plain, its lowest, and how many rows
+    gave plain decoding's ids."""
+    lines = []
+    for config in dict.fromkeys(r["config"] for r in rows):
+        sel = [r for r in rows if r["config"] == config]
+        mean = math.exp(sum(math.log(r["speedup"]) for r in sel) / len(sel))
+        same = sum(bool(r["same_as_plain"]) for r in sel)
+        lines.append(f"{config}: {mean:.2f}x own plain (geometric mean over {len(sel)} prompts), lowest "
+                     f"{min(r['speedup'] for r in sel):.2f}x, plain's ids on {same} of {len(sel)}")
+    return lines
 
 
 if __name__ == "__main__":
