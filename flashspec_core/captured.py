@@ -117,13 +117,12 @@ class CapturedRound:
     def prompt_S(self) -> int | None:
         """The slots a prompt piece's head pass attends over; None where the target prefills no prompt as a graph
         (then the head takes its prompt in its own one pass)."""
-        limit = getattr(self.target, "prefill_graphs", 0)
-        return self.target.bucket(min(limit, self.target.capacity)) if self.head is not None and limit else None
+        limit = getattr(self.target, "prefill_limit", 0)
+        return self.target.bucket(limit) if self.head is not None and limit else None
 
     def takes_prompt(self, n: int) -> bool:
-        """Whether `prompt` runs the head's first pass over a prompt of n slots."""
-        S = self.prompt_S()
-        return S is not None and 0 < n <= min(self.target.prefill_graphs, S)
+        """Whether `prompt` runs the head's first pass over a prompt of n slots (they fit `prompt_S`)."""
+        return self.prompt_S() is not None and 0 < n <= self.target.prefill_limit
 
     def prompt(self, rows: list[list[int]], hidden: torch.Tensor) -> None:
         """The head's first pass over a stream's prompt (hidden [B, n, F]: slot t pairs position t's features with

@@ -400,13 +400,18 @@ class StaticCausalLM:
         self.wide = [torch.empty((2, batch, self.n_kv, self.capacity, self.head_dim)) for _ in self.layers] \
             if self.attention == "ordered" else []
         self.widened = 0
-        width = max(self.max_graph_tokens, min(self.prefill_graphs, self.capacity))  # a verify's, a padded prompt's
+        width = max(self.max_graph_tokens, self.prefill_limit)  # a verify's, a padded prompt's
         self.static_ids = torch.zeros((batch, width), dtype=torch.int64, device=self.device)
         self.static_pos = torch.zeros((width,), dtype=torch.int64, device=self.device)
         self.static_rope = torch.zeros((width,), dtype=torch.int64, device=self.device)
         self.graphs.clear()
         self.tree_graphs.clear()
         self.batch = batch
+
+    @property
+    def prefill_limit(self) -> int:
+        """The longest padded prompt prefilled as one graph: prefill_graphs, within the cache (0: none)."""
+        return min(self.prefill_graphs, self.capacity)
 
     @property
     def context_window(self) -> int:
@@ -438,7 +443,7 @@ class StaticCausalLM:
         start = self.length
         self.bucket(start + T)  # raises when the cache cannot take them
         keep = T if logits_to_keep <= 0 else min(logits_to_keep, T)
-        if start == 0 and padded(T) <= min(self.prefill_graphs, self.capacity):
+        if start == 0 and padded(T) <= self.prefill_limit:
             logits, self.aux = self._prefill_padded(ids, keep)
         elif self.use_graphs and T <= self.max_graph_tokens and start > 0:
             out, self.aux = self._replay(ids, start)
@@ -485,7 +490,7 @@ class StaticCausalLM:
         if self.length:
             raise ValueError("capture_prefill() writes into the cache: call it before generating or after reset()")
         count, P = 0, PREFILL_MIN
-        while P <= min(self.prefill_graphs, self.capacity, padded(max_context)):
+        while P <= min(self.prefill_limit, padded(max_context)):
             S = self.bucket(P)
             if (P, S, bool(self.aux_layers)) not in self.graphs:
                 self.static_pos[:P].copy_(self.slots[:P])
