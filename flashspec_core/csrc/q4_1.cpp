@@ -35,7 +35,7 @@ namespace {
 
 constexpr int64_t QK = 32;    // weights per block
 constexpr int64_t ROWS = 16;  // output rows per packed group
-constexpr int64_t TILE = 8;   // tokens whose accumulators stay in registers
+constexpr int64_t TILE = 16;  // tokens whose accumulators stay in registers (one pass over the weights)
 
 // ------------------------------------------------------------------------------------------------------------
 // Activations: rows quantised per block of 32
@@ -237,7 +237,22 @@ void q4_1_group_vnni(const uint8_t* w, const at::Half* dm, const Activations& a,
     }
     const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 2 * ROWS)));
     const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + b * 2 * ROWS + ROWS)));
-    constexpr int chains = nt < 6 ? 2 : 1;  // dependent dot products per token; enough tokens hide the latency
+    if constexpr (nt > 8) {  // token by token, two chains of 4 products each (registers for 16 accumulators)
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t t = t0 + i;
+        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + t * K + b * QK);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, q[j], _mm512_set1_epi32(xq[j]));
+          s1 = _mm512_dpbusd_epi32(s1, q[j + 1], _mm512_set1_epi32(xq[j + 1]));
+        }
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[t * B + b]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc[i]);
+        acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[t * B + b]), acc[i]);
+      }
+      continue;
+    }
+    constexpr int chains = nt < 5 ? 2 : 1;  // dependent dot products per token; enough tokens hide the latency
     __m512i s[nt][chains];
     for (int64_t i = 0; i < nt; ++i)
       for (int c = 0; c < chains; ++c) s[i][c] = _mm512_setzero_si512();
@@ -267,7 +282,23 @@ void q8_0_group_vnni(const uint8_t* w, const at::Half* dw, const Activations& a,
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* wb = w + b * 512;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dw + b * ROWS)));
-    constexpr int chains = nt < 6 ? 2 : 1;
+    if constexpr (nt > 8) {  // token by token (as q4_1_group_vnni), the block's 8 chunks in registers
+      __m512i q[8];
+      for (int j = 0; j < 8; ++j) q[j] = _mm512_loadu_si512(wb + j * 64);
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t t = t0 + i;
+        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + t * K + b * QK);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, q[j], _mm512_set1_epi32(xq[j]));
+          s1 = _mm512_dpbusd_epi32(s1, q[j + 1], _mm512_set1_epi32(xq[j + 1]));
+        }
+        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * a.sum[t * B + b]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(a.d[t * B + b])), acc[i]);
+      }
+      continue;
+    }
+    constexpr int chains = nt < 5 ? 2 : 1;
     __m512i s[nt][chains];
     for (int64_t i = 0; i < nt; ++i)
       for (int c = 0; c < chains; ++c) s[i][c] = _mm512_setzero_si512();
@@ -289,7 +320,28 @@ void q8_0_group_vnni(const uint8_t* w, const at::Half* dw, const Activations& a,
 }
 #endif
 
+using GroupKernel = void (*)(const uint8_t*, const at::Half*, const Activations&, int64_t, float*, int64_t, int64_t,
+                             bool);
+
+// {kernel<1>, ..., kernel<n>} from make(std::integral_constant<n>) (each count a constant: accumulators in registers)
+template <typename Make, int64_t... n>
+std::vector<GroupKernel> kernels(Make make, std::integer_sequence<int64_t, n...>) {
+  return {make(std::integral_constant<int64_t, n + 1>{})...};
+}
+
 enum class Format { Q4_1, Q8_0 };
+
+#if FLASHSPEC_VNNI
+// The VNNI group kernels of a format by token count (index nt - 1).
+const std::vector<GroupKernel>& vnni_kernels(Format format) {
+  constexpr auto counts = std::make_integer_sequence<int64_t, TILE>{};
+  static const std::vector<GroupKernel> q4_1 =
+      kernels([](auto n) -> GroupKernel { return q4_1_group_vnni<decltype(n)::value>; }, counts);
+  static const std::vector<GroupKernel> q8_0 =
+      kernels([](auto n) -> GroupKernel { return q8_0_group_vnni<decltype(n)::value>; }, counts);
+  return format == Format::Q4_1 ? q4_1 : q8_0;
+}
+#endif
 
 // out [T, N] (float32, contiguous) = or += W times the activations; W packed as `format` with its scales.
 void matmul(Format format, const Activations& a, const at::Tensor& packed, const at::Tensor& scales, float* out,
@@ -303,7 +355,7 @@ void matmul(Format format, const Activations& a, const at::Tensor& packed, const
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* wg = w + g * B * bytes;
       const at::Half* sg = sc + g * B * halves;
-      // ceil(T / TILE) tiles of near-equal size (9 tokens: 5 + 4, not 8 + 1, whose lone token waits on its chains);
+      // ceil(T / TILE) tiles of near-equal size (17 tokens: 9 + 8, not 16 + 1, whose lone token waits on its chains);
       // a token's sums are its own in any tile, so the split changes no bits
       const int64_t tiles = (T + TILE - 1) / TILE;
       for (int64_t k = 0, next = 0; k < tiles; ++k) {
@@ -311,30 +363,7 @@ void matmul(Format format, const Activations& a, const at::Tensor& packed, const
         next += nt;
 #if FLASHSPEC_VNNI
         if (!portable) {
-          auto run = [&](auto kernel) { kernel(wg, sg, a, t0, out, N, g, accumulate); };
-          if (format == Format::Q4_1) {
-            switch (nt) {
-              case 1: run(q4_1_group_vnni<1>); break;
-              case 2: run(q4_1_group_vnni<2>); break;
-              case 3: run(q4_1_group_vnni<3>); break;
-              case 4: run(q4_1_group_vnni<4>); break;
-              case 5: run(q4_1_group_vnni<5>); break;
-              case 6: run(q4_1_group_vnni<6>); break;
-              case 7: run(q4_1_group_vnni<7>); break;
-              default: run(q4_1_group_vnni<8>); break;
-            }
-          } else {
-            switch (nt) {
-              case 1: run(q8_0_group_vnni<1>); break;
-              case 2: run(q8_0_group_vnni<2>); break;
-              case 3: run(q8_0_group_vnni<3>); break;
-              case 4: run(q8_0_group_vnni<4>); break;
-              case 5: run(q8_0_group_vnni<5>); break;
-              case 6: run(q8_0_group_vnni<6>); break;
-              case 7: run(q8_0_group_vnni<7>); break;
-              default: run(q8_0_group_vnni<8>); break;
-            }
-          }
+          vnni_kernels(format)[nt - 1](wg, sg, a, t0, out, N, g, accumulate);
           continue;
         }
 #endif

@@ -55,12 +55,13 @@ def test_products_equal_float_math_on_the_quantised_activations(T):
     assert out.dtype == torch.float32 and err <= 1e-5 * expected.abs().max().item(), f"max difference {err}"
 
 
-def test_each_row_on_its_own_and_vnni_equals_portable():
+@pytest.mark.parametrize("T", [5, 11, 17])  # a tile of two chains a token, one of one token at a time, two tiles
+def test_each_row_on_its_own_and_vnni_equals_portable(T):
     q, d, m = random_q4_1(64, 576, seed=3)
     w = q4_1_weight(q, d, m)
-    x = torch.randn(11, 576).bfloat16()
+    x = torch.randn(T, 576).bfloat16()
     batch = w(x)
-    rows = torch.cat([w(x[i:i + 1]) for i in range(11)])
+    rows = torch.cat([w(x[i:i + 1]) for i in range(T)])
     assert torch.equal(batch, rows)
     portable = torch.ops.flashspec.q4_1_linear_portable(x, w.packed, w.dm)
     assert torch.equal(batch, portable), f"max difference {(batch - portable).abs().max().item()}"
@@ -72,9 +73,10 @@ def test_q8_0_head_holds_the_file_weights_and_computes_each_row_on_its_own():
     head = gguf.q8_0_weight("token_embd.weight")  # the tied embedding, 49152 x 576
     weights = gguf.dequantized("token_embd.weight")
     assert torch.equal(head.dequantize(), weights)
-    x = torch.randn(6, 576)
+    x = torch.randn(13, 576)
     batch = head(x)
-    assert torch.equal(batch, torch.cat([head(x[i:i + 1]) for i in range(6)]))
+    assert torch.equal(batch, torch.cat([head(x[i:i + 1]) for i in range(13)]))
+    assert torch.equal(batch[:6], head(x[:6]))  # a tile of six tokens against the 13-token tile's first six
     assert torch.equal(batch, torch.ops.flashspec.q8_0_linear_portable(x, head.packed, head.d))
     expected = quantised_activations(x).double() @ weights.double().t()
     assert (batch.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
