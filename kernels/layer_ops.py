@@ -8,8 +8,8 @@
                                                            T > 1)
     silu_mul(gate_up) -> silu(gate) * up                   one kernel for two
     rms_norm(x, weight, eps)                               HF's RMSNorm (float32, round, scale): one for two
-    rms_norm_pair(a, wa, b, wb, eps)                       [rms_norm(a) | rms_norm(b)]: one for two (`a_rows=`: a
-                                                           a table read at those rows, the head's embedding gather)
+    rms_norm_pair(a, wa, b, wb, eps)                       [rms_norm(a) | rms_norm(b)]: one for two (`a_rows=`:
+                                                           side 0 from a table's rows: the head's embedding gather)
     norm_linear(x, norm_weight, eps, weight)               rms_norm(x) @ weight.T (q/k/v, the LM head): one for two
     norm_gate_up_silu(x, norm_weight, eps, weight)         silu(g) * u of [g | u] = rms_norm(x) @ weight.T: one for
                                                            three
