@@ -137,18 +137,19 @@ if triton is not None:
         return _round(weight * _round(x * scale, dt), dt)
 
     @triton.jit
-    def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, at_ptr, pos_ptr, kv_ptr, q_ptr, T, capacity,
+    def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, at_ptr, at_stride, pos_ptr, kv_ptr, q_ptr, T, capacity,
                            B: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
                            AT: tl.constexpr):
         """One program per (token, head) of qkv: rotate (q, k), then store into q's layout or the cache. Token t
-        reads row t of cos and sin, or (AT) row at[t] of them as tables."""
+        reads row t of cos and sin, or (AT) row at[t] of them as tables (at's elements at_stride apart: 0 for one
+        position expanded over a tree level's nodes)."""
         row, head = tl.program_id(0), tl.program_id(1)
         b, t = row // T, row % T
         d = tl.arange(0, D)
         src = qkv_ptr + (row * (H + 2 * KV) + head) * D
         x = tl.load(src + d)
         partner = tl.load(src + (d + D // 2) % D).to(tl.float32)
-        r = tl.load(at_ptr + t).to(tl.int64) if AT else t
+        r = tl.load(at_ptr + t * at_stride).to(tl.int64) if AT else t
         c, s = tl.load(cos_ptr + r * D + d).to(tl.float32), tl.load(sin_ptr + r * D + d).to(tl.float32)
         dt = x.dtype
         turned = _round(_round(x.to(tl.float32) * c, dt) + _round(partner * s, dt), dt).to(dt)
@@ -452,12 +453,13 @@ def attention(q, k, v, mask, scaling: float, shape, slots=None) -> torch.Tensor:
 
 def rope_and_cache(qkv, cos, sin, pos, kv, shape, at: torch.Tensor | None = None) -> torch.Tensor:
     """`rope_and_cache_torch` in one kernel (qkv is left as it was; only q's layout and the cache are written). With
-    `at` [T], cos and sin are tables [P, D] and token t rotates by their row at[t] (`rope_and_cache_torch(qkv,
-    cos[at], sin[at], ...)` without the gathers)."""
+    `at` [T] (any stride), cos and sin are tables [P, D] and token t rotates by their row at[t]
+    (`rope_and_cache_torch(qkv, cos[at], sin[at], ...)` without the gathers)."""
     B, T, H, KV, D = shape
     q = torch.empty(B, KV, (H // KV) * T, D, dtype=qkv.dtype, device=qkv.device)
     _rope_cache_kernel[(B * T, H + 2 * KV)](qkv.contiguous(), cos.contiguous(), sin.contiguous(),
-                                            pos if at is None else at, pos, kv, q, T, kv.shape[3],
+                                            pos if at is None else at, 0 if at is None else at.stride(0), pos, kv,
+                                            q, T, kv.shape[3],
                                             B=B, H=H, KV=KV, D=D, AT=at is not None, enable_fp_fusion=False)
     return q
 

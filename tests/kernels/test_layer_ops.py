@@ -37,6 +37,10 @@ def test_rotary_the_cache_write_and_q_layout_are_the_torch_ops_bits(device, dtyp
     kv_ref2 = kv.clone()
     q_ref2 = layer_ops.rope_and_cache_torch(qkv.clone(), table_cos[at], table_sin[at], pos, kv_ref2, SHAPE)
     assert torch.equal(q_at, q_ref2) and torch.equal(kv_at, kv_ref2) and not torch.equal(q_at, q)
+    level = torch.arange(4, device=device)[2].expand(T)  # a tree level's one position for all its nodes (stride 0)
+    q_level = layer_ops.rope_and_cache(qkv, table_cos, table_sin, pos, kv.clone(), SHAPE, at=level)
+    want = layer_ops.rope_and_cache_torch(qkv.clone(), table_cos[level], table_sin[level], pos, kv.clone(), SHAPE)
+    assert torch.equal(q_level, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
