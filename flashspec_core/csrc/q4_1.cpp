@@ -220,6 +220,18 @@ void store_vnni(float* out, __m512 acc, bool accumulate) {
   _mm512_storeu_ps(out, accumulate ? _mm512_add_ps(_mm512_loadu_ps(out), acc) : acc);
 }
 
+// One token's integer sums over a block: its 32 quantised activations xq against the block's 8 weight chunks q
+// (16 rows each), in two chains of four products (a tile of more than 8 tokens runs token by token).
+inline __m512i token_sums(const __m512i* q, const int8_t* xq) {
+  const int32_t* x4 = reinterpret_cast<const int32_t*>(xq);
+  __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+  for (int j = 0; j < 8; j += 2) {
+    s0 = _mm512_dpbusd_epi32(s0, q[j], _mm512_set1_epi32(x4[j]));
+    s1 = _mm512_dpbusd_epi32(s1, q[j + 1], _mm512_set1_epi32(x4[j + 1]));
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+
 template <int64_t nt>  // tokens t0..t0+nt-1: a constant, so the accumulators live in registers
 void q4_1_group_vnni(const uint8_t* w, const at::Half* dm, const Activations& a, int64_t t0, float* out, int64_t N,
                      int64_t g, bool accumulate) {
@@ -240,14 +252,9 @@ void q4_1_group_vnni(const uint8_t* w, const at::Half* dm, const Activations& a,
     if constexpr (nt > 8) {  // token by token, two chains of 4 products each (registers for 16 accumulators)
       for (int64_t i = 0; i < nt; ++i) {
         const int64_t t = t0 + i;
-        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + t * K + b * QK);
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, q[j], _mm512_set1_epi32(xq[j]));
-          s1 = _mm512_dpbusd_epi32(s1, q[j + 1], _mm512_set1_epi32(xq[j + 1]));
-        }
+        const __m512i isum = token_sums(q, a.q.data() + t * K + b * QK);
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[t * B + b]));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
         acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[t * B + b]), acc[i]);
       }
       continue;
@@ -287,13 +294,8 @@ void q8_0_group_vnni(const uint8_t* w, const at::Half* dw, const Activations& a,
       for (int j = 0; j < 8; ++j) q[j] = _mm512_loadu_si512(wb + j * 64);
       for (int64_t i = 0; i < nt; ++i) {
         const int64_t t = t0 + i;
-        const int32_t* xq = reinterpret_cast<const int32_t*>(a.q.data() + t * K + b * QK);
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, q[j], _mm512_set1_epi32(xq[j]));
-          s1 = _mm512_dpbusd_epi32(s1, q[j + 1], _mm512_set1_epi32(xq[j + 1]));
-        }
-        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * a.sum[t * B + b]));
+        const __m512i sums = token_sums(q, a.q.data() + t * K + b * QK);
+        const __m512i isum = _mm512_sub_epi32(sums, _mm512_set1_epi32(128 * a.sum[t * B + b]));
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(a.d[t * B + b])), acc[i]);
       }
       continue;
