@@ -382,18 +382,22 @@ class DeviceRound:
         self.captured = self._captured_round(batch) if captured else None
         if not max_context:
             return
-        for lm in [self.target] + [d.lm for d in self.drafters.values() if isinstance(d, DraftModel)]:
+        for lm in self._models():
             if hasattr(lm, "capture_prefill"):  # the padded prompts' graphs (the draft models' caches are empty too)
                 lm.reset()
                 lm.capture_prefill(max_context)
         if self.captured is not None:
             self.captured.capture(self.shapes(sampling, max_context, max_gamma, tree))
             return
-        for lm in [self.target] + [d.lm for d in self.drafters.values() if isinstance(d, DraftModel)]:
+        for lm in self._models():
             if hasattr(lm, "capture"):
                 lm.reset()
                 lm.capture(range(1, max_gamma + 2) if lm is self.target else [1, 2], max_context=max_context,
                            tree_counts=range(2, min(tree_tokens, lm.max_graph_tokens) + 1) if lm is self.target else ())
+
+    def _models(self) -> list:
+        """The models whose caches a stream fills: the target and each draft model's."""
+        return [self.target] + [d.lm for d in self.drafters.values() if isinstance(d, DraftModel)]
 
     def _captured_round(self, batch: int) -> CapturedRound | None:
         """The captured round for `batch` rows (kept while the batch stays), or None where it does not apply: mode
