@@ -343,12 +343,13 @@ class DraftHead(nn.Module):
         layer, cfg = self.midlayer, self.cfg
         (B, T), H, KV, D = tokens.shape, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         shape = (B, T, H, KV, D)
-        e = F.embedding(tokens, self.embed).to(hidden.dtype)
+        same = self.embed.dtype == hidden.dtype  # the kernel reads the tokens' embedding rows itself
+        e, rows = (self.embed, tokens) if same else (F.embedding(tokens, self.embed).to(hidden.dtype), None)
         x = layer_ops.rms_norm_pair(e, layer.input_layernorm.weight, hidden, layer.hidden_norm.weight,
-                                    cfg.rms_norm_eps)  # [B, T, 2H]: both norms side by side, one kernel
+                                    cfg.rms_norm_eps, a_rows=rows)  # [B, T, 2H]: both norms side by side, one kernel
         qkv = self._joined_product("qkv", x.view(B * T, -1))
-        cos, sin = self._rope_table(cache.k.shape[2], x.dtype, x.device)[:, rope]  # one gather for both
-        q = layer_ops.rope_and_cache(qkv, cos, sin, slots, cache.kv, shape)
+        table = self._rope_table(cache.k.shape[2], x.dtype, x.device)  # cos, sin rows read at `rope` in the kernel
+        q = layer_ops.rope_and_cache(qkv, table[0], table[1], slots, cache.kv, shape, at=rope)
         S = visible.shape[1]
         o = layer_ops.attention(q, cache.k[:, :, :S], cache.v[:, :, :S], visible, D ** -0.5, shape)
         h = self._joined_product("o", o, hidden.reshape(B * T, -1))

@@ -2,11 +2,14 @@
 
     rope_and_cache(qkv, cos, sin, pos, kv, shape) -> q   rotary on q and k, k and v written into the cache at
                                                            `pos`, q laid out for attention: one kernel for six
+                                                           (`at=`: cos, sin as tables read at rows `at`, no gather)
     attention(q, k, v, mask, scaling, shape) -> o          masked attention (softmaxes over chunks of keys, merged),
                                                            o laid out for the o projection: two for four (five at
                                                            T > 1)
     silu_mul(gate_up) -> silu(gate) * up                   one kernel for two
     rms_norm(x, weight, eps)                               HF's RMSNorm (float32, round, scale): one for two
+    rms_norm_pair(a, wa, b, wb, eps)                       [rms_norm(a) | rms_norm(b)]: one for two (`a_rows=`:
+                                                           side 0 from a table's rows: the head's embedding gather)
     norm_linear(x, norm_weight, eps, weight)               rms_norm(x) @ weight.T (q/k/v, the LM head): one for two
     norm_gate_up_silu(x, norm_weight, eps, weight)         silu(g) * u of [g | u] = rms_norm(x) @ weight.T: one for
                                                            three
@@ -134,16 +137,20 @@ if triton is not None:
         return _round(weight * _round(x * scale, dt), dt)
 
     @triton.jit
-    def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, kv_ptr, q_ptr, T, capacity,
-                           B: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr):
-        """One program per (token, head) of qkv: rotate (q, k), then store into q's layout or the cache."""
+    def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, at_ptr, at_stride, pos_ptr, kv_ptr, q_ptr, T, capacity,
+                           B: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
+                           AT: tl.constexpr):
+        """One program per (token, head) of qkv: rotate (q, k), then store into q's layout or the cache. Token t
+        reads row t of cos and sin, or (AT) row at[t] of them as tables (at's elements at_stride apart: 0 for one
+        position expanded over a tree level's nodes)."""
         row, head = tl.program_id(0), tl.program_id(1)
         b, t = row // T, row % T
         d = tl.arange(0, D)
         src = qkv_ptr + (row * (H + 2 * KV) + head) * D
         x = tl.load(src + d)
         partner = tl.load(src + (d + D // 2) % D).to(tl.float32)
-        c, s = tl.load(cos_ptr + t * D + d).to(tl.float32), tl.load(sin_ptr + t * D + d).to(tl.float32)
+        r = tl.load(at_ptr + t * at_stride).to(tl.int64) if AT else t
+        c, s = tl.load(cos_ptr + r * D + d).to(tl.float32), tl.load(sin_ptr + r * D + d).to(tl.float32)
         dt = x.dtype
         turned = _round(_round(x.to(tl.float32) * c, dt) + _round(partner * s, dt), dt).to(dt)
         slot = tl.load(pos_ptr + t)
@@ -178,12 +185,15 @@ if triton is not None:
         _norm_row(x_ptr + row * N, w_ptr, out_ptr + row * N, N, eps, BLOCK)
 
     @triton.jit
-    def _rms_norm_pair_kernel(a_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
-        """Program (row, side): side 0 norms a's row into out[row, :N], side 1 b's into out[row, N:] ([rows, 2N])."""
+    def _rms_norm_pair_kernel(a_ptr, a_rows_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, N, eps, BLOCK: tl.constexpr,
+                              GATHER: tl.constexpr):
+        """Program (row, side): side 0 norms a's row (GATHER: row a_rows[row] of a) into out[row, :N], side 1 b's
+        into out[row, N:] ([rows, 2N])."""
         row, side = tl.program_id(0), tl.program_id(1)
         out = out_ptr + row * 2 * N + side * N
         if side == 0:
-            _norm_row(a_ptr + row * N, wa_ptr, out, N, eps, BLOCK)
+            a_row = tl.load(a_rows_ptr + row).to(tl.int64) if GATHER else row
+            _norm_row(a_ptr + a_row * N, wa_ptr, out, N, eps, BLOCK)
         else:
             _norm_row(b_ptr + row * N, wb_ptr, out, N, eps, BLOCK)
 
@@ -441,13 +451,16 @@ def attention(q, k, v, mask, scaling: float, shape, slots=None) -> torch.Tensor:
     return o
 
 
-def rope_and_cache(qkv, cos, sin, pos, kv, shape) -> torch.Tensor:
-    """`rope_and_cache_torch` in one kernel (qkv is left as it was; only q's layout and the cache are written)."""
+def rope_and_cache(qkv, cos, sin, pos, kv, shape, at: torch.Tensor | None = None) -> torch.Tensor:
+    """`rope_and_cache_torch` in one kernel (qkv is left as it was; only q's layout and the cache are written). With
+    `at` [T] (any stride), cos and sin are tables [P, D] and token t rotates by their row at[t]
+    (`rope_and_cache_torch(qkv, cos[at], sin[at], ...)` without the gathers)."""
     B, T, H, KV, D = shape
     q = torch.empty(B, KV, (H // KV) * T, D, dtype=qkv.dtype, device=qkv.device)
-    _rope_cache_kernel[(B * T, H + 2 * KV)](qkv.contiguous(), cos.contiguous(), sin.contiguous(), pos, kv, q, T,
-                                            kv.shape[3],
-                                            B=B, H=H, KV=KV, D=D, enable_fp_fusion=False)
+    _rope_cache_kernel[(B * T, H + 2 * KV)](qkv.contiguous(), cos.contiguous(), sin.contiguous(),
+                                            pos if at is None else at, 0 if at is None else at.stride(0), pos, kv,
+                                            q, T, kv.shape[3],
+                                            B=B, H=H, KV=KV, D=D, AT=at is not None, enable_fp_fusion=False)
     return q
 
 
@@ -470,17 +483,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm_pair(a: torch.Tensor, a_weight: torch.Tensor, b: torch.Tensor, b_weight: torch.Tensor,
-                  eps: float) -> torch.Tensor:
+                  eps: float, a_rows: torch.Tensor | None = None) -> torch.Tensor:
     """[rms_norm(a) | rms_norm(b)] over the last dimension in one kernel (a and b [..., N], one dtype): `rms_norm`'s
-    bits, side by side [..., 2N] (the draft head's input: the token's embedding and the hidden state, normed)."""
+    bits, side by side [..., 2N] (the draft head's input: the token's embedding and the hidden state, normed). With
+    a_rows (b's shape but the last dimension), a is a table [P, N] and side 0 norms its rows a_rows (`a[a_rows]`
+    without the gather: the draft tokens' embeddings)."""
     N = a.shape[-1]
-    if b.shape != a.shape or b.dtype != a.dtype:
-        raise ValueError(f"a and b must match, got {a.dtype} {tuple(a.shape)} and {b.dtype} {tuple(b.shape)}")
+    a_shape = a.shape if a_rows is None else (*a_rows.shape, N)
+    if b.shape != a_shape or b.dtype != a.dtype:
+        raise ValueError(f"a and b must match, got {a.dtype} {tuple(a_shape)} and {b.dtype} {tuple(b.shape)}")
     rows_a, rows_b = a.reshape(-1, N).contiguous(), b.reshape(-1, N).contiguous()
-    out = torch.empty(rows_a.shape[0], 2 * N, dtype=a.dtype, device=a.device)
-    _rms_norm_pair_kernel[(rows_a.shape[0], 2)](rows_a, a_weight.contiguous(), rows_b, b_weight.contiguous(), out, N,
-                                                eps, BLOCK=triton.next_power_of_2(N))
-    return out.view(*a.shape[:-1], 2 * N)
+    index = rows_b if a_rows is None else a_rows.reshape(-1).contiguous()  # (unread without a_rows)
+    out = torch.empty(rows_b.shape[0], 2 * N, dtype=a.dtype, device=a.device)
+    _rms_norm_pair_kernel[(rows_b.shape[0], 2)](rows_a, index, a_weight.contiguous(), rows_b, b_weight.contiguous(),
+                                                out, N, eps, BLOCK=triton.next_power_of_2(N),
+                                                GATHER=a_rows is not None)
+    return out.view(*b.shape[:-1], 2 * N)
 
 
 def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, *,

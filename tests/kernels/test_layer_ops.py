@@ -30,6 +30,17 @@ def test_rotary_the_cache_write_and_q_layout_are_the_torch_ops_bits(device, dtyp
     q = layer_ops.rope_and_cache(qkv, cos, sin, pos, kv, SHAPE)
     assert torch.equal(q, q_ref) and torch.equal(kv, kv_ref)
     assert not torch.equal(kv[:, :, :, pos], torch.zeros_like(kv[:, :, :, pos]))
+    table_cos, table_sin = rotary(T + 5, D, dtype, device)  # tables read at rows `at` give the gathered rows' bits
+    at = torch.tensor([6, 0, 3], device=device)
+    kv_at = kv.clone()
+    q_at = layer_ops.rope_and_cache(qkv, table_cos, table_sin, pos, kv_at, SHAPE, at=at)
+    kv_ref2 = kv.clone()
+    q_ref2 = layer_ops.rope_and_cache_torch(qkv.clone(), table_cos[at], table_sin[at], pos, kv_ref2, SHAPE)
+    assert torch.equal(q_at, q_ref2) and torch.equal(kv_at, kv_ref2) and not torch.equal(q_at, q)
+    level = torch.arange(4, device=device)[2].expand(T)  # a tree level's one position for all its nodes (stride 0)
+    q_level = layer_ops.rope_and_cache(qkv, table_cos, table_sin, pos, kv.clone(), SHAPE, at=level)
+    want = layer_ops.rope_and_cache_torch(qkv.clone(), table_cos[level], table_sin[level], pos, kv.clone(), SHAPE)
+    assert torch.equal(q_level, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -55,6 +66,11 @@ def test_a_pair_of_norms_in_one_kernel_is_two_norms_side_by_side(device, dtype):
     assert not torch.equal(layer_ops.rms_norm_pair(a, wb, b, wa, 1e-5), want)  # each side its own weight
     with pytest.raises(ValueError, match="must match"):
         layer_ops.rms_norm_pair(a, wa, b[:, :2], wb, 1e-5)
+    table = torch.randn(7, 576, generator=g, device=device).to(dtype)  # side 0 from a table's rows: a gather's bits
+    rows = torch.tensor([[4, 0, 4], [6, 2, 1]], device=device)
+    want = layer_ops.rms_norm_pair(table[rows], wa, b, wb, 1e-5)
+    assert torch.equal(layer_ops.rms_norm_pair(table, wa, b, wb, 1e-5, a_rows=rows), want)
+    assert not torch.equal(layer_ops.rms_norm_pair(table, wa, b, wb, 1e-5, a_rows=rows.flip(-1)), want)
 
 
 def attention_inputs(T, S, dtype, device, capacity=160):
