@@ -32,7 +32,7 @@ from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length, worth_anothe
 from flashspec_core.models import CausalLM
 from flashspec_core.sampling import SamplingConfig, logits_to_probs, logits_to_probs_at, sample
 from flashspec_core.tree import DraftTree, TensorTree
-from kernels.tree_level import Level, rank_tree_triton, tree_level
+from kernels.tree_level import Level, next_frontier, rank_tree_triton, tree_level
 
 
 @dataclass(frozen=True)
@@ -620,9 +620,8 @@ class DraftHeadDrafter(Drafter):
                 break
             chosen.append(lv.chosen)
             here = slice((level - 1) * w, level * w)
-            visible = visible[lv.up] | own[here]  # [w, S]: each chosen node's ancestors (its parent's), and itself
-            h = self.head.step_tree_at(cache, self.ids[lv.picked_child], h[:, lv.up], slots[here],
-                                       rope[level - 1].expand(w), visible)
+            tokens, h, visible = next_frontier(lv, self.ids, h, visible, own[here], backend)  # visible [w, S]
+            h = self.head.step_tree_at(cache, tokens, h, slots[here], rope[level - 1].expand(w), visible)
             logits = self.head.logits(h, self.limit)  # float32 in the tree level's log-softmax
             frontier_score = lv.picked_score
         return _ranked(torch.cat(scores, 1), self._tree_parents(chosen, k), self.ids[torch.cat(index, 1)], size,

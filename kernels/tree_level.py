@@ -18,6 +18,12 @@ to the lower c; the values are within a rounding of the reference's (the log-sum
 
     rank_tree_triton(scores [B, M], parents [M], tokens [B, M], size, depth, width) -> Ranked
 
+    next_frontier(level, ids [V'], h [B, W, H], visible [W, S], own [w, S], backend) -> tokens, h, visible
+
+Between levels, what the head's step over the chosen nodes reads: their tokens (`ids[picked_child]`), their
+parents' hidden states (`h[:, up]`) and what each sees (its parent's visible slots and its own: `visible[up] |
+own`): four torch kernels, or one.
+
 After the last level, the tree: the `size` best of all levels' candidates by row 0's scores, numbered best first,
 with its parents, tokens, scores, and the views a captured round reads (ancestors, depths, child table, path
 table), in one kernel where torch takes ~40 (its reference: `flashspec_core.drafters._best_nodes` and
@@ -36,6 +42,7 @@ except ImportError:  # the reference still runs
     triton = None
 
 CHUNK = 512  # draft ids a program of the first kernel takes
+FRONTIER_SLOTS = 1024  # head cache slots a program of the frontier kernel takes
 
 
 class Level(NamedTuple):
@@ -162,6 +169,65 @@ def tree_level(logits: torch.Tensor, base: torch.Tensor, k: int, w: int, first: 
     if backend != "torch":
         raise ValueError(f"unknown backend {backend!r}; expected 'torch' or 'triton'")
     return tree_level_torch(logits, base, k, w, first)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The next level's inputs from the chosen nodes
+
+
+def next_frontier_torch(level: Level, ids: torch.Tensor, h: torch.Tensor, visible: torch.Tensor,
+                        own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference (see the module's docstring)."""
+    return ids[level.picked_child], h[:, level.up], visible[level.up] | own
+
+
+if triton is not None:
+    @triton.jit
+    def _frontier_kernel(up_ptr, picked_ptr, ids_ptr, h_ptr, visible_ptr, own_ptr, token_ptr, h_out_ptr,
+                         visible_out_ptr, W, S, B: tl.constexpr, w: tl.constexpr, H: tl.constexpr,
+                         HP: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Program (n, part): part 0 writes chosen node n's token and its parent's hidden state in every row, part
+        p > 0 its visible slots (the parent's or its own) in block p - 1 of BLOCK_S slots."""
+        n, part = tl.program_id(0), tl.program_id(1)
+        u = tl.load(up_ptr + n)
+        if part == 0:
+            d = tl.arange(0, HP)
+            for b in tl.static_range(B):
+                tl.store(token_ptr + b * w + n, tl.load(ids_ptr + tl.load(picked_ptr + b * w + n)))
+                row = tl.load(h_ptr + (b * W + u) * H + d, mask=d < H)
+                tl.store(h_out_ptr + (b * w + n) * H + d, row, mask=d < H)
+        else:
+            s = (part - 1) * BLOCK_S + tl.arange(0, BLOCK_S)
+            seen = tl.load(visible_ptr + u * S + s, mask=s < S, other=0) | tl.load(own_ptr + n * S + s, mask=s < S,
+                                                                                   other=0)
+            tl.store(visible_out_ptr + n * S + s, seen, mask=s < S)
+
+
+def next_frontier_triton(level: Level, ids: torch.Tensor, h: torch.Tensor, visible: torch.Tensor,
+                         own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`next_frontier_torch` in one kernel (fixed shapes, no host reads)."""
+    (B, W, H), (w, S) = h.shape, own.shape
+    tokens = torch.empty(B, w, dtype=ids.dtype, device=h.device)
+    h_out = torch.empty(B, w, H, dtype=h.dtype, device=h.device)
+    seen = torch.empty(w, S, dtype=torch.bool, device=h.device)
+    _frontier_kernel[(w, 1 + triton.cdiv(S, FRONTIER_SLOTS))](level.up, level.picked_child.contiguous(), ids, h.contiguous(),
+                             visible.contiguous().view(torch.uint8), own.contiguous().view(torch.uint8), tokens,
+                             h_out, seen.view(torch.uint8), W, S, B=B, w=w, H=H, HP=triton.next_power_of_2(H),
+                             BLOCK_S=FRONTIER_SLOTS)
+    return tokens, h_out, seen
+
+
+def next_frontier(level: Level, ids: torch.Tensor, h: torch.Tensor, visible: torch.Tensor, own: torch.Tensor,
+                  backend: str = "torch") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The next level's inputs (the module's docstring) by `backend`: "torch" or "triton"."""
+    w, S = own.shape
+    if level.up.shape != (w,) or visible.shape[1] != S or visible.dtype != torch.bool or own.dtype != torch.bool:
+        raise ValueError(f"a frontier needs up [w], visible [W, S] and own [w, S] (bool); got up "
+                         f"{tuple(level.up.shape)}, visible {visible.dtype} {tuple(visible.shape)}, own {own.dtype} "
+                         f"{tuple(own.shape)}")
+    if backend not in ("torch", "triton") or (backend == "triton" and triton is None):
+        raise ValueError(f"backend {backend!r} is not available; expected 'torch' or 'triton' (with triton)")
+    return (next_frontier_triton if backend == "triton" else next_frontier_torch)(level, ids, h, visible, own)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ on CUDA or under TRITON_INTERPRET=1, and the reference's two-pass top-k against 
 import pytest
 import torch
 
-from kernels.tree_level import CHUNK, chunked_topk, rank_tree_triton, tree_level
+from kernels.tree_level import CHUNK, chunked_topk, next_frontier, rank_tree_triton, tree_level
 
 SHAPES = [(1, 1, 16384, 4, 4), (1, 4, 16384, 4, 4), (2, 4, 1000, 3, 5), (1, 3, 64, 2, 6), (2, 2, 16384, 1, 2),
           (1, 4, 16384, 4, 0)]  # B, W, V, k, w: the head's levels, a vocabulary off the chunks, tiny, k = 1, last
@@ -46,6 +46,27 @@ def test_ties_go_to_the_lower_id_and_the_earlier_candidate(device):
     assert level.chosen.tolist() == [10, 11, 12, 13] and level.up.tolist() == [0, 0, 1, 1]
     torch.testing.assert_close(level.score, torch.full((1, 6), -float(torch.log(torch.tensor(2000.0))),
                                                        device=device))
+
+
+@pytest.mark.parametrize("B,W,w,S,dtype", [(1, 1, 4, 37, torch.bfloat16), (2, 4, 4, 1500, torch.bfloat16),
+                                           (1, 3, 2, 1100, torch.float32)])
+def test_the_next_frontier_kernel_gives_the_reference(device, B, W, w, S, dtype):
+    """The chosen nodes' tokens, their parents' hidden states and visible slots (the parent's or their own): the
+    reference's bits, from one level's picks (a root level of width 1, the head's width, S over a block of slots)."""
+    g = torch.Generator(device=device).manual_seed(S)
+    level = tree_level(torch.randn(B, W, 3000, generator=g, device=device), torch.zeros(B, W, device=device), 4, w,
+                       0, "torch")
+    ids = torch.randperm(3000, generator=g, device=device) * 7
+    h = torch.randn(B, W, 576, generator=g, device=device).to(dtype)
+    visible = torch.rand(W, S, generator=g, device=device) < 0.5
+    own = torch.zeros(w, S, dtype=torch.bool, device=device)
+    own[torch.arange(w, device=device), S - w + torch.arange(w, device=device)] = True
+    want, got = (next_frontier(level, ids, h, visible, own, backend) for backend in ("torch", "triton"))
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert got[2][:, -w:].diagonal().all() and not torch.equal(got[2], visible[:1].expand(w, S))
+    with pytest.raises(ValueError, match="frontier"):
+        next_frontier(level, ids, h, visible, own[:, 1:], "triton")
 
 
 @pytest.mark.parametrize("k,w,base", [(0, 0, (1, 2)), (CHUNK + 1, 1, (1, 2)), (2, 5, (1, 2)), (2, 1, (2,))])
