@@ -2,7 +2,7 @@
 tok/s on the hand-written open prompts.
 
     python -m benchmarks.tree_round [--prompts 12] [--max-new-tokens 96] [--precision float32] [--temperature 0]
-                                    [--captured off|auto]
+                                    [--captured off|auto] [--trees 6,4,32 6,4,64 auto]
 
 For each prompt (through the chat template) the embedded model decodes --max-new-tokens tokens four ways from the
 same state, each through `DeviceRound` with its own arms (plain feeds no drafter): plain (K = 0), head chains of
@@ -22,7 +22,7 @@ from statistics import mean
 
 import torch
 
-from benchmarks.run import RESULTS, environment, load_prompt_set
+from benchmarks.run import RESULTS, environment, load_prompt_set, parse_tree
 from flashspec_core import Engine, SamplingConfig
 from flashspec_core.stream import StreamState
 from flashspec_core.tree_round import TreeSize
@@ -104,12 +104,15 @@ def main(argv=None) -> int:
     ap.add_argument("--captured", default="off", choices=["auto", "eager", "off"],
                     help="the engine's captured rounds (auto: CUDA graphs on a GPU) for the chains, the plain rows and "
                          "greedy trees (tree auto at its bound: sized per round only without a captured round)")
+    ap.add_argument("--trees", nargs="+", default=None, metavar="D,K,S|auto",
+                    help="the tree rows (default: " + " ".join(name_of(t) for t in TREES) + ")")
     args = ap.parse_args(argv)
+    trees = TREES if args.trees is None else tuple(parse_tree(t) for t in args.trees)
     engine = Engine.from_preset("embedded", precision=args.precision, captured=args.captured)
     engine.warm_up(1024)  # the measured costs that tree "auto" sizes its trees by, and the chains' graphs
     sampling = SamplingConfig(temperature=args.temperature)
     prompts = load_prompt_set("open")[:args.prompts]
-    configs = [0, *CHAINS, *TREES]
+    configs = [0, *CHAINS, *trees]
     rows = []
     for i, p in enumerate(prompts):
         ids = engine.encode(p["prompt"])
