@@ -2,7 +2,7 @@
 tok/s on the hand-written open prompts.
 
     python -m benchmarks.tree_round [--prompts 12] [--max-new-tokens 96] [--precision float32] [--temperature 0]
-                                    [--captured off|auto] [--trees 6,4,32 6,4,64 auto]
+                                    [--captured off|auto] [--trees 6,4,32 6,2,10 auto]
 
 For each prompt (through the chat template) the embedded model decodes --max-new-tokens tokens four ways from the
 same state, each through `DeviceRound` with its own arms (plain feeds no drafter): plain (K = 0), head chains of

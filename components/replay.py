@@ -16,7 +16,7 @@ import gradio as gr
 
 from flashspec_core import MODES, ArmState, RoundEvent, TokenSpan
 from flashspec_core.checks import check_text, shown
-from flashspec_core.gamma import MAX_GAMMA, MAX_TREE_NODES
+from flashspec_core.gamma import MAX_GAMMA
 from flashspec_core.stream import DraftedTree
 
 from components.arms import arms_figure
@@ -104,7 +104,7 @@ def _arm(a, where: str) -> ArmState:
 
 
 def _tree(t, accepted: tuple[int, ...], where: str) -> DraftedTree | None:
-    """A tree round's draft tree: at most MAX_TREE_NODES nodes, each parent an earlier node (or -1, the root), texts as
+    """A tree round's draft tree: at most MAX_GAMMA nodes, each parent an earlier node (or -1, the root), texts as
     span texts, and the accepted nodes a path from the root whose tokens are the round's accepted ids."""
     if t is None:
         return None
@@ -113,7 +113,7 @@ def _tree(t, accepted: tuple[int, ...], where: str) -> DraftedTree | None:
         raise BadRunFile(f"{where}: 'tree' should be null or an object of lists {list(keys)}")
     tokens, parents, path, texts = (t[k] for k in keys)
     n = len(tokens)
-    ok = 0 < n <= MAX_TREE_NODES and len(parents) == len(texts) == n and all(_is_id(x) for x in tokens)
+    ok = 0 < n <= MAX_GAMMA and len(parents) == len(texts) == n and all(_is_id(x) for x in tokens)
     ok = ok and all(_is_int(p) and -1 <= p < i for i, p in enumerate(parents))
     ok = ok and all(_is_int(a) and 0 <= a < n for a in path) and len(path) <= n
     ok = ok and [parents[a] for a in path] == [-1, *path][:len(path)] and tuple(tokens[a] for a in path) == accepted

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_GAMMA = 32
-MAX_TREE_NODES = 64  # a draft tree's nodes (EAGLE's default verifies 60); its depth and top_k stay <= MAX_GAMMA
 MAX_AUTO_GAMMA = 16  # the largest K that gamma "auto" chooses (and that a stream captures graphs for)
 
 

@@ -27,7 +27,7 @@ import torch
 from flashspec_core.captured import Shape, pack_tree
 from flashspec_core.checks import is_int, shown
 from flashspec_core.drafters import DraftHeadDrafter
-from flashspec_core.gamma import MAX_GAMMA, MAX_TREE_NODES
+from flashspec_core.gamma import MAX_GAMMA
 from flashspec_core.round import RoundTimer
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from flashspec_core.stream import DraftedTree, RoundOutput
@@ -43,10 +43,10 @@ class TreeSize:
     auto: bool = False  # verify only the best first n of the size nodes, n chosen per round from measured costs
 
     def __post_init__(self):
-        for name, most in (("depth", MAX_GAMMA), ("top_k", MAX_GAMMA), ("size", MAX_TREE_NODES)):
+        for name in ("depth", "top_k", "size"):
             value = getattr(self, name)
-            if not is_int(value) or not 1 <= value <= most:
-                raise ValueError(f"tree {name} must be an integer in 1..{most}, got {shown(value)}")
+            if not is_int(value) or not 1 <= value <= MAX_GAMMA:
+                raise ValueError(f"tree {name} must be an integer in 1..{MAX_GAMMA}, got {shown(value)}")
         if not isinstance(self.auto, bool):
             raise ValueError(f"tree auto must be True or False, got {shown(self.auto)}")
 

@@ -126,7 +126,7 @@ def tree_doc(**change) -> dict:
     (set_event(tree_doc(), "tree", {**TREE.__dict__, "extra": []}), "'tree' should be null or an object of lists"),
     (tree_doc(tokens="abc"), "'tree' should be null or an object of lists"),
     (tree_doc(tokens=[]), "not a draft tree"),
-    (tree_doc(tokens=[10, 20, 21, 22] * 17, parents=[-1] * 68, texts=[""] * 68), "not a draft tree"),  # > 64 nodes
+    (tree_doc(tokens=[10, 20, 21, 22] * 9, parents=[-1] * 36, texts=[""] * 36), "not a draft tree"),
     (tree_doc(tokens=[10, 20, -1, 22]), "not a draft tree"),
     (tree_doc(tokens=[10, 20, 2**40, 22]), "not a draft tree"),
     (tree_doc(tokens=[10, 20, True, 22]), "not a draft tree"),
