@@ -100,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--precision", default="float32", choices=["auto", "gguf", "float32"])
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--dtype", default="auto", help="auto = float32 on the CPU, bfloat16 on CUDA")
     ap.add_argument("--tag", default="")
     ap.add_argument("--captured", default="off", choices=["auto", "eager", "off"],
                     help="the engine's captured rounds (auto: CUDA graphs on a GPU) for the chains, the plain rows and "
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
                     help="the tree rows (default: " + " ".join(name_of(t) for t in TREES) + ")")
     args = ap.parse_args(argv)
     trees = TREES if args.trees is None else tuple(parse_tree(t) for t in args.trees)
-    engine = Engine.from_preset("embedded", precision=args.precision, captured=args.captured)
+    engine = Engine.from_preset("embedded", dtype=args.dtype, precision=args.precision, captured=args.captured)
     engine.warm_up(1024)  # the measured costs that tree "auto" sizes its trees by, and the chains' graphs
     sampling = SamplingConfig(temperature=args.temperature)
     prompts = load_prompt_set("open")[:args.prompts]
