@@ -485,19 +485,25 @@ class DeviceRound:
     def draft_cost(self, rows: list[list[int]], drafter: Drafter, reps: int, k: int = 4) -> DraftCost:
         """A drafter's propose time after `rows` from rounds of 1 and of k tokens, alternating (the fastest of `reps`
         each): per token the difference over k - 1, per round the rest (for the draft head: its first pass over
-        the slots the last round verified, which wait for a draft; none inside a captured round)."""
+        the slots the last round verified, which wait for a draft; none inside a captured round). On a captured
+        round a drafter that reads the host's rows also waits for the round before it to land, which rounds
+        launched ahead (`on_device`) never do: per round it pays too what a round's landing takes past its
+        device time (the fastest of its rounds)."""
         greedy, generator = SamplingConfig(), torch.Generator(device=self.device).manual_seed(0)
         row = [rows[0][:]]
         self.start(row, greedy, generator, len(row[0]) + (reps + 1) * 2 * (MAX_AUTO_GAMMA + 1), MAX_AUTO_GAMMA)
         if self.captured is not None and drafter is self.captured.head:
             return DraftCost(per_token=self._captured_draft_step(k, reps))
-        best = {1: float("inf"), k: float("inf")}
+        best, landing = {1: float("inf"), k: float("inf")}, float("inf")
         for rep in range(reps + 1):  # the first pair warms up (and its first round finds nothing waiting)
             for K in best:
-                seconds = self.run(row, drafter, K, greedy, generator).draft_s
-                best[K] = min(best[K], seconds) if rep else best[K]
+                out = self.run(row, drafter, K, greedy, generator)
+                best[K] = min(best[K], out.draft_s) if rep else best[K]
+                if rep and out.device_s is not None:
+                    landing = min(landing, out.verify_s - out.device_s)
         per_token = max(0.0, (best[k] - best[1]) / (k - 1))
-        return DraftCost(per_token=per_token, per_round=max(0.0, best[1] - per_token))
+        waits = max(0.0, landing) if self.captured is not None and landing < float("inf") else 0.0
+        return DraftCost(per_token=per_token, per_round=max(0.0, best[1] - per_token) + waits)
 
     def _captured_draft_step(self, k: int, reps: int) -> float:
         """The head's seconds per drafted token inside a captured round: a round where it drafts k tokens less one

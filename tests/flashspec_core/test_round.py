@@ -2,6 +2,8 @@
 slot whatever arm drafts (waiting slots go through one batched first pass before it drafts, or once CATCH_UP of
 them wait) and is scored whenever it is current; a round reads the device once; a copy drafter or draft model
 outside the stream's arms is not fed, and the n-gram cache later learns the streams it missed."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -233,6 +235,21 @@ def test_calibration_streams_leave_no_trace_in_what_drafters_remember(target, he
     assert engine.policy.calibrated and set(engine.policy.draft_costs) == set(engine.drafters)
     ngram, lookup = engine.drafters["ngram_cache"], engine.drafters["prompt_lookup"]
     assert ngram.index.stream == [] and ngram.odds.buckets == fresh and lookup.odds.buckets == fresh
+
+
+def test_a_copy_drafter_on_a_captured_round_pays_for_waiting_on_the_round_before(target, head, monkeypatch):
+    """A captured round launches the next round of the head or of no draft before this one lands; a copy drafter's
+    round must wait for it, so its measured cost per round adds what a round's landing takes past its device time
+    (here 0.5 ms a round, as timed); without a captured round nothing is added."""
+    rows, costs = [list(PROMPT)], {}
+    for captured in ("eager", "off"):  # a captured round (run eagerly on the CPU), and none: every round waits
+        engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured=captured)
+        real = engine.round.run
+        timed = lambda *a, real=real: dataclasses.replace(real(*a), draft_s=1e-4, verify_s=2e-3, device_s=1.5e-3)
+        monkeypatch.setattr(engine.round, "run", timed)
+        costs[captured] = engine.round.draft_cost(rows, engine.drafters["prompt_lookup"], 2)
+    assert costs["eager"].per_round == pytest.approx(1e-4 + 5e-4) and costs["eager"].per_token == 0.0
+    assert costs["off"].per_round == pytest.approx(1e-4)
 
 
 def test_the_head_ends_its_chains_by_its_measured_costs_once_it_has_them(target, head):
