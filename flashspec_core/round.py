@@ -497,7 +497,8 @@ class DeviceRound:
         best, landing = {1: float("inf"), k: float("inf")}, float("inf")
         for rep in range(reps + 1):  # the first pair warms up (and its first round finds nothing waiting)
             for K in best:
-                out = self.run(row, drafter, K, greedy, generator)
+                out = self.land(row, self.launch(row, drafter, K, greedy, generator), first=drafter)
+                self.settle()  # as a stream lands it: the drafter learns first, the others once it has drafted again
                 best[K] = min(best[K], out.draft_s) if rep else best[K]
                 if rep and out.device_s is not None:
                     landing = min(landing, out.verify_s - out.device_s)

@@ -244,9 +244,10 @@ def test_a_copy_drafter_on_a_captured_round_pays_for_waiting_on_the_round_before
     rows, costs = [list(PROMPT)], {}
     for captured in ("eager", "off"):  # a captured round (run eagerly on the CPU), and none: every round waits
         engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured=captured)
-        real = engine.round.run
-        timed = lambda *a, real=real: dataclasses.replace(real(*a), draft_s=1e-4, verify_s=2e-3, device_s=1.5e-3)
-        monkeypatch.setattr(engine.round, "run", timed)
+        real = engine.round.land
+        timed = lambda *a, real=real, **k: dataclasses.replace(real(*a, **k), draft_s=1e-4, verify_s=2e-3,
+                                                                device_s=1.5e-3)
+        monkeypatch.setattr(engine.round, "land", timed)
         costs[captured] = engine.round.draft_cost(rows, engine.drafters["prompt_lookup"], 2)
     assert costs["eager"].per_round == pytest.approx(1e-4 + 5e-4) and costs["eager"].per_token == 0.0
     assert costs["off"].per_round == pytest.approx(1e-4)
