@@ -162,13 +162,18 @@ def tree_level(logits: torch.Tensor, base: torch.Tensor, k: int, w: int, first: 
     if not 1 <= k <= min(V, CHUNK) or not 0 <= w <= W * k or base.shape != (B, W):
         raise ValueError(f"a tree level needs 1 <= k <= min(V, {CHUNK}), 0 <= w <= W * k and base [B, W]; got k={k}, "
                          f"w={w}, logits {tuple(logits.shape)}, base {tuple(base.shape)}")
+    return _by_backend(backend, tree_level_torch, tree_level_triton)(logits, base, k, w, first)
+
+
+def _by_backend(backend: str, reference, kernel):
+    """The function `backend` names: "torch" (the reference) or "triton" (the kernel; needs the package)."""
     if backend == "triton":
         if triton is None:
             raise ValueError("backend 'triton' needs the triton package")
-        return tree_level_triton(logits, base, k, w, first)
+        return kernel
     if backend != "torch":
         raise ValueError(f"unknown backend {backend!r}; expected 'torch' or 'triton'")
-    return tree_level_torch(logits, base, k, w, first)
+    return reference
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -225,9 +230,7 @@ def next_frontier(level: Level, ids: torch.Tensor, h: torch.Tensor, visible: tor
         raise ValueError(f"a frontier needs up [w], visible [W, S] and own [w, S] (bool); got up "
                          f"{tuple(level.up.shape)}, visible {visible.dtype} {tuple(visible.shape)}, own {own.dtype} "
                          f"{tuple(own.shape)}")
-    if backend not in ("torch", "triton") or (backend == "triton" and triton is None):
-        raise ValueError(f"backend {backend!r} is not available; expected 'torch' or 'triton' (with triton)")
-    return (next_frontier_triton if backend == "triton" else next_frontier_torch)(level, ids, h, visible, own)
+    return _by_backend(backend, next_frontier_torch, next_frontier_triton)(level, ids, h, visible, own)
 
 
 # ----------------------------------------------------------------------------------------------------
