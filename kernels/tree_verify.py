@@ -134,6 +134,13 @@ def _runs(mask: torch.Tensor) -> bool:
     return mask.device.type != "cpu" or bool(mask.any())
 
 
+def _record(path, num_accepted, child, taken):
+    """path[b, num_accepted[b]] = child[b] where taken[b], in place, without a host read (a boolean index would sync,
+    which a captured round cannot): untaken rows write back what they hold."""
+    col = num_accepted.clamp_max(path.shape[1] - 1)[:, None]
+    path.scatter_(1, col, torch.where(taken[:, None], child[:, None], path.gather(1, col)))
+
+
 def _greedy_walk_torch(children, draft_tokens, target_probs, D):
     """Follow from the root the first child whose token is the target's argmax at its parent."""
     B = draft_tokens.shape[0]
@@ -151,7 +158,7 @@ def _greedy_walk_torch(children, draft_tokens, target_probs, D):
         match = active[:, None] & (kids >= 0) & (x == best[:, None])
         found = match.any(dim=-1)
         child = kids[rows, match.to(torch.int8).argmax(dim=-1)]  # the first matching child
-        path[rows[found], num_accepted[found]] = child[found]
+        _record(path, num_accepted, child, found)
         num_accepted += found
         slot = torch.where(found, child + 1, slot)
         if _runs(found):
@@ -194,7 +201,7 @@ def _sampled_walk_torch(children, draft_tokens, draft_probs, target_probs, unifo
         accept = active & (uniform[rows, c] * q_x < p_x)  # u < p/q without dividing
         reject = active & ~accept
         # accepted: record the node, move to it; at a leaf the row ends with a bonus draw from the leaf's p
-        path[rows[accept], num_accepted[accept]] = child[accept]
+        _record(path, num_accepted, child, accept)
         num_accepted += accept
         leaf = accept & (children[c + 1, 0] < 0)
         # rejected: the residual r is normalised for the next sibling, or the row ends with a draw from it
