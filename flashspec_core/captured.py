@@ -49,7 +49,8 @@ class Shape:
     S: int  # cache slots the target and the head attend over (the context bucket)
     greedy: bool
     observe: bool  # the verify forward's hidden states go through the head's first pass
-    tree: "TreeSize | None" = None  # the head drafts a greedy tree of this shape (K is its size), else a chain
+    tree: "TreeSize | None" = None  # the head drafts a tree of this shape (K: its nodes), else a chain; sampled:
+    #                                 its static shape (`TreeSize.sampled`)
 
 
 @dataclass(frozen=True)
@@ -191,17 +192,22 @@ class CapturedRound:
         return packed
 
     def tree_body(self, shape: Shape) -> torch.Tensor:
-        """A greedy tree round (`tree_round.run_tree`'s, on the device): the head's tree (`propose_tree_at`), the
-        target's tree forward, the exact tree walk, the accepted path compacted in both caches, the pending token
-        and the length; returns `pack_tree`'s record plus a row of the tree's parents."""
-        proposal = self.head.propose_tree_at(shape.tree, self.length, shape.S)
+        """A tree round (`tree_round.run_tree`'s, on the device): the head's tree (greedy: `propose_tree_at`;
+        sampled: the static shape's, `propose_sampled_tree_at`), the target's tree forward, the exact tree walk, the
+        accepted path compacted in both caches, the pending token and the length; returns `pack_tree`'s record plus
+        a row of the tree's parents."""
+        greedy = shape.greedy
+        proposal = self.head.propose_tree_at(shape.tree, self.length, shape.S) if greedy else \
+            self.head.propose_sampled_tree_at(shape.tree.sampled, self.length, shape.S, self.params, self.generator)
         tree, guess = proposal.tree, [self.head.fixed.guess] if shape.observe else []
         logits, aux = self.target.forward_tree_at(torch.cat([self.pending, proposal.tokens], dim=1), tree,
                                                   self.length, shape.S)
         logits = logits[..., :self.target.vocab_size].float()  # [B, N+1, V]
-        result = verify_tree(tree, proposal.tokens, None, logits, greedy=True, backend=self.backend)
+        p = logits if greedy else logits_to_probs_at(logits, self.params)
+        result = verify_tree(tree, proposal.tokens, proposal.q, p, generator=self.generator, greedy=greedy,
+                             backend=self.backend)
         kept = result.num_accepted.min().view(1)
-        packed = pack_tree(result, logits.softmax(dim=-1), proposal.tokens, guess, tree)
+        packed = pack_tree(result, logits.softmax(dim=-1) if greedy else p, proposal.tokens, guess, tree)
         path = F.pad(result.path + 1, (1, 0)).clamp_min(0)  # [B, D+1] tree slots: the root, the accepted nodes
         self.target.compact_at(self.length + path, self.length)
         self.pending.copy_(result.tokens.index_select(1, kept))

@@ -486,6 +486,7 @@ class DraftHeadDrafter(Drafter):
         self.h: torch.Tensor | None = None  # [B, 1, H] the first pass's output at the last verified slot
         self.logits: torch.Tensor | None = None  # [B, draft V] float32: the next draft token's logits
         self.fixed: _Fixed | None = None  # a captured round's buffers (`bind`), kept across streams
+        self.plans: dict[tuple[int, ...], _SampledPlan] = {}  # captured sampled trees' index tensors, by shape
         self.catch_up_slots = catch_up
         self.waiting: list[torch.Tensor] = []  # features [B, n, F] of verified slots not yet through the first pass
         self.sets_length = self.device.type == "cpu"
@@ -626,6 +627,43 @@ class DraftHeadDrafter(Drafter):
             frontier_score = lv.picked_score
         return _ranked(torch.cat(scores, 1), self._tree_parents(chosen, k), self.ids[torch.cat(index, 1)], size,
                        depth, k, backend)
+
+    def propose_sampled_tree_at(self, tree: DraftTree, length: torch.Tensor, S: int, params: torch.Tensor,
+                                generator) -> TreeProposal:
+        """`_sampled_tree` inside a captured round, from the fixed state: the static shape's levels, each level's
+        children drawn without replacement from the head's q at their parents (one draw over the level), then one
+        head step over the level's nodes at head slots length + (the nodes of the levels above), each seeing the
+        verified slots, its ancestors and itself (`observe_at` overwrites them). The tree is the shape as a
+        `TensorTree`; q [B, N, V] the law each node was drawn from, as `kernels.tree_verify` reads it."""
+        plan, cache = self._sampled_plan(tree), self.fixed.cache
+        h, logits = self.fixed.h, self.fixed.logits[:, None]  # the level above's [B, W, H], [B, W, draft V]
+        score = logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+        verified = (cache.slots[:S] < length)[None, :]  # [1, S]
+        tokens, qs, scores = [], [], []
+        for d, lv in enumerate(plan.levels, start=1):
+            law = logits_to_probs_at(logits.index_select(1, lv.parents), params)  # [B, P, draft V]
+            drawn, laws = _without_replacement(law, lv.draws, generator)  # [B, P, c], [B, P, c, draft V]
+            index = drawn.flatten(1).index_select(1, lv.pick)  # [B, W] the level's nodes
+            q = laws.flatten(1, 2).index_select(1, lv.pick)  # [B, W, draft V]
+            score = score.index_select(1, lv.up) + q.gather(-1, index[..., None]).squeeze(-1).clamp_min(1e-30).log()
+            tokens.append(self.ids[index])
+            qs.append(q)
+            scores.append(score)
+            if lv.slots is None:  # the last level: drafted, not run
+                break
+            visible = verified | (cache.slots[:S] == (length + lv.seen)[..., None]).any(dim=1)  # [W, S]
+            rope = (length + d - 1).expand(lv.slots.numel())
+            h = self.head.step_tree_at(cache, tokens[-1], h.index_select(1, lv.up), length + lv.slots, rope, visible)
+            logits = self.head.logits(h, self.limit).float()
+        pick = lambda xs: torch.cat(xs, dim=1).index_select(1, plan.order)  # noqa: E731  (level order -> node order)
+        return TreeProposal(plan.tree, pick(tokens), self._widen(pick(qs)), pick(scores))
+
+    def _sampled_plan(self, tree: DraftTree) -> "_SampledPlan":
+        """`sampled_plan(tree)` on this drafter's device, made once per shape (before a graph is captured: its first
+        call is the capture's warm-up) and kept."""
+        if tree.parents not in self.plans:
+            self.plans[tree.parents] = sampled_plan(tree, self.device)
+        return self.plans[tree.parents]
 
     def _tree_parents(self, chosen: list[torch.Tensor], k: int) -> torch.Tensor:
         """Each candidate's parent candidate id [M] (-1 the root): the root's k children, then k children of each
@@ -806,6 +844,49 @@ def _ranked(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, s
 
 
 @dataclass(frozen=True)
+class _SampledLevel:
+    """One level of a static tree, as index tensors (`sampled_plan`). Positions index the level above's nodes (the
+    root alone above level 1) or this level's, in node order within the level."""
+    parents: torch.Tensor  # [P] the nodes above that have children here
+    draws: int  # c: the most children one of them has (each draws c without replacement)
+    pick: torch.Tensor  # [W] each node's draw among the [P * c]: its parent's p * c + its rank among siblings
+    up: torch.Tensor  # [W] each node's parent among the nodes above
+    slots: torch.Tensor | None  # [W] its head cache slot past the verified ones; None on the last level (not run)
+    seen: torch.Tensor | None  # [W, d] the slots past the verified ones of its path, itself included
+
+
+@dataclass(frozen=True)
+class _SampledPlan:
+    tree: TensorTree  # the shape on the device
+    levels: list[_SampledLevel]
+    order: torch.Tensor  # [N] node i's place among the levels' nodes laid end to end
+
+
+def sampled_plan(tree: DraftTree, device) -> _SampledPlan:
+    """A static tree (`DraftTree.static`) as the index tensors a captured sampled tree drafts it with, level by
+    level (`DraftHeadDrafter.propose_sampled_tree_at`)."""
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    levels, above, slot_of = [], [-1], {}
+    for d in range(1, tree.max_depth + 1):
+        nodes = [i for i in range(tree.N) if tree.depth[i] == d]
+        parents = [a for a in above if tree.children[a + 1]]
+        draws = max(len(tree.children[a + 1]) for a in parents)
+        pick = [parents.index(tree.parents[i]) * draws + tree.children[tree.parents[i] + 1].index(i) for i in nodes]
+        slots = seen = None
+        if d < tree.max_depth:
+            slot_of.update((i, len(slot_of)) for i in nodes)
+            seen = as_tensor([[slot_of[a] for a in tree.path_to(i)] for i in nodes])  # [W, d]: a level-d path
+            slots = as_tensor([slot_of[i] for i in nodes])
+        levels.append(_SampledLevel(as_tensor([above.index(a) for a in parents]), draws, as_tensor(pick),
+                                    as_tensor([above.index(tree.parents[i]) for i in nodes]), slots, seen))
+        above = nodes
+    laid = [i for d in range(1, tree.max_depth + 1) for i in range(tree.N) if tree.depth[i] == d]
+    width = max(len(k) for k in tree.children)
+    return _SampledPlan(TensorTree(as_tensor(list(tree.parents)), tree.max_depth, width), levels,
+                        as_tensor([laid.index(i) for i in range(tree.N)]))
+
+
+@dataclass(frozen=True)
 class _Fixed:
     """A draft head's buffers for captured rounds (`DraftHeadDrafter.bind`)."""
     cache: HeadCache  # never grows
@@ -825,19 +906,19 @@ class _Frontier:
 
 
 def _without_replacement(law: torch.Tensor, c: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """c draws per row from law [B, V] without replacement (the exponential race's c best: Gumbel top-k), and the
-    law each was drawn from given the earlier ones: [B, c] indices, [B, c, V] laws. Where the law has no token
+    """c draws per row from law [..., V] without replacement (the exponential race's c best: Gumbel top-k), and the
+    law each was drawn from given the earlier ones: [..., c] indices, [..., c, V] laws. Where the law has no token
     left, the draw is the next index in the race and its law one-hot there (a deterministic sibling)."""
     noise = torch.empty_like(law).exponential_(generator=generator)
-    drawn = (law / noise).topk(c, dim=-1).indices  # [B, c]
+    drawn = (law / noise).topk(c, dim=-1).indices  # [..., c]
     laws = []
     left = law.clone()
     for j in range(c):
         mass = left.sum(dim=-1, keepdim=True)
-        one_hot = torch.zeros_like(left).scatter_(-1, drawn[:, j:j + 1], 1.0)
+        one_hot = torch.zeros_like(left).scatter_(-1, drawn[..., j:j + 1], 1.0)
         laws.append(torch.where(mass > 0, left / mass.clamp_min(1e-30), one_hot))
-        left = left.scatter(-1, drawn[:, j:j + 1], 0.0)
-    return drawn, torch.stack(laws, dim=1)
+        left = left.scatter(-1, drawn[..., j:j + 1], 0.0)
+    return drawn, torch.stack(laws, dim=-2)
 
 
 def draw(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:

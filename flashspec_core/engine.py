@@ -222,9 +222,9 @@ class Engine:
         drafters: names of the arms to use (default: all); one name = that drafter every round, several =
         a bandit over them and the no-draft arm. mode="plain" decodes one token a round through the same code.
         tree: a `TreeSize(depth, top_k, size)`: the draft head drafts a tree of that shape each time it is pulled
-        (`tree_round`: greedy trees run on the captured round where one applies, one graph a round, an auto-sized
-        one at its bound, `TreeSize.fixed`; sampled trees, and auto-sized ones without a captured round, run eager
-        rounds, sized per round). None: chains of K.
+        (`tree_round`: trees run on the captured round where one applies, one graph a round, an auto-sized one at
+        its bound, `TreeSize.fixed`, a sampled one in its static shape, `TreeSize.sampled`; without a captured round
+        they run eager rounds, auto-sized ones sized per round). None: chains of K.
         """
         sampling = SamplingConfig() if sampling is None else sampling
         if not isinstance(chat, bool):
@@ -280,13 +280,13 @@ class Engine:
         """Measure the machine's costs (`calibrate`) and, where rounds replay as CUDA graphs, capture every graph a
         stream of up to `max_context` tokens can choose (greedy and sampling, every K of gamma "auto", every
         context bucket; with tree_tokens, the target's tree verifies of 2..tree_tokens slots too, for eager trees;
-        with trees, `TreeSize`s, the captured greedy tree rounds of each one's fixed shape), so that streams capture
-        nothing; returns the seconds it took."""
+        with trees, `TreeSize`s, the captured tree rounds of each one's fixed shape, greedy and sampled), so that
+        streams capture nothing; returns the seconds it took."""
         t0 = time.perf_counter()
         self.calibrate()
         fixed = list(dict.fromkeys(t.fixed for t in trees))
         for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
-            self.round.warm_up(sampling, max_context, trees=fixed if sampling.greedy else ())
+            self.round.warm_up(sampling, max_context, trees=fixed)
         if tree_tokens:
             self.round.warm_up_trees(max_context, tree_tokens)
         return time.perf_counter() - t0
@@ -312,12 +312,10 @@ class Engine:
         """Choose an arm and K, run a round, learn from it, yield its event."""
         self.calibrate()
         s.t_start = time.perf_counter()  # generation is lazy: the clock starts with the first round's prefill
-        captured_tree = s.tree is not None and s.sampling.greedy  # one graph a tree round (auto: at its bound)
         s.prefill_s = self.round.start(s.rows, s.sampling, s.generator,
                                        len(s.rows[0]) + s.max_new_tokens + s.max_gamma + 1, s.max_gamma, s.arms,
-                                       captured=s.tree is None or captured_tree,
-                                       tree_tokens=s.tree.size + 1 if s.tree else 0,
-                                       tree=s.tree.fixed if captured_tree else None)
+                                       tree_tokens=s.tree.size + 1 if s.tree else 0,  # eager trees' verifies
+                                       tree=s.tree.fixed if s.tree else None)  # one graph a tree round (auto: its bound)
         ahead = None  # the next round, chosen (and maybe launched) before this one landed
         while s.produced < s.max_new_tokens:
             played, ahead = self._play(s, ahead)
@@ -365,11 +363,12 @@ class Engine:
         return turn
 
     def _captured_tree(self, s: StreamState, drafter: Drafter, limit: int):
-        """The tree a captured round verifies for this arm (greedy, the head, one graph: its fixed shape, tree auto
-        at its bound), or None for a chain: other arms, or where the stream's end would cut its depth."""
+        """The tree a captured round verifies for this arm (the head, one graph: its fixed shape, tree auto at its
+        bound; sampled, the static shape), or None for a chain: other arms, or where the stream's end would cut its
+        depth."""
         tree = s.tree
         head = isinstance(drafter, DraftHeadDrafter) and self.round.captured is not None
-        return tree.fixed if tree is not None and head and s.sampling.greedy and limit >= tree.depth else None
+        return tree.fixed if tree is not None and head and limit >= tree.depth else None
 
     def _limit(self, s: StreamState, uncounted: int = 0, in_flight: int = 0) -> int:
         """The most tokens a round may draft: K + 1 fit the tokens left and the context window. `uncounted`: tokens
@@ -383,7 +382,7 @@ class Engine:
         arm, limit = self.policy.choose(s), self._limit(s)
         before, drafter = s.rows[0][:], self.drafters[arm]
         captured_tree = self._captured_tree(s, drafter, limit)
-        if captured_tree is not None:  # greedy, one graph: the fixed shape (tree auto: its bound)
+        if captured_tree is not None:  # one graph: the fixed shape (tree auto: its bound)
             out = self.round.run_tree(s.rows, drafter, captured_tree, s.sampling, s.generator)
         elif s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0 and self.round.captured is None:
             shape, nodes = self.policy.tree_plan(s, arm, replace(s.tree, depth=min(s.tree.depth, limit)))

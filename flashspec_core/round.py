@@ -63,7 +63,7 @@ class Launched:
     timer: "RoundTimer"
     captured: bool = False  # ran as a captured round: the head has observed it already
     ready: torch.cuda.Event | None = None  # recorded after `packed`'s copy into pinned host memory was queued
-    tree: "TreeSize | None" = None  # a greedy tree round of this shape (K: its nodes), `tree_round.launch_tree`
+    tree: "TreeSize | None" = None  # a tree round of this shape (K: its nodes), `tree_round.launch_tree`
 
     @property
     def most(self) -> int:
@@ -150,9 +150,9 @@ class DeviceRound:
         """Prefill the target (all but the last token: each round feeds the pending token) and the drafters;
         returns the seconds it took. The target reports hidden states from here on only if one of `arms`
         (default: every drafter) reads them, and only they and the hidden-state readers are fed (`feed`).
-        captured=False: this stream runs eager rounds (sampled and auto-sized trees do); tree_tokens: the most slots
+        captured=False: this stream runs eager rounds (auto-sized trees do); tree_tokens: the most slots
         an eager tree's verify may take (graphs for 2..tree_tokens are captured now, not mid-stream); tree: the
-        `TreeSize` a captured stream's greedy tree rounds take (their graphs are captured now too)."""
+        `TreeSize` a captured stream's tree rounds take (their graphs are captured now too)."""
         t0 = time.perf_counter()
         self.unlanded.clear()  # a round the last stream left in flight is dropped (its device work is queued first)
         self.unsettled = ([], 0, [])
@@ -187,14 +187,14 @@ class DeviceRound:
     def run_tree(self, rows: list[list[int]], drafter: DraftHeadDrafter, shape, sampling: SamplingConfig,
                  generator, nodes=None) -> RoundOutput:
         """One round that verifies a draft tree of `shape` (`tree_round.TreeSize`) from the head: eager, or on a
-        captured round (greedy, every node verified: `nodes` None) as one graph."""
+        captured round (every node verified: `nodes` None; sampled: the static shape) as one graph."""
         from flashspec_core.tree_round import run_tree
 
         if self.captured is None:
             return run_tree(self, rows, drafter, shape, sampling, generator, nodes)
-        if not sampling.greedy or nodes is not None:
-            raise ValueError("a captured round verifies greedy trees of a fixed size from its own head: build the "
-                             "round with captured='off' for sampled or auto-sized trees")
+        if nodes is not None:
+            raise ValueError("a captured round verifies trees of a fixed size from its own head: build the round "
+                             "with captured='off' for auto-sized trees")
         return self.land(rows, self.launch(rows, drafter, 0, sampling, generator, tree=shape))
 
     def feed(self, rows: list[list[int]], arms: list[str] | None) -> None:
@@ -226,12 +226,12 @@ class DeviceRound:
 
     def launch(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator, tree=None) -> Launched:
         """Draft, verify and the accept test, all on the device; nothing here reads the device. With a round in
-        flight (`on_device` arms only) it runs after that round on the device and lands after it. tree: a greedy
-        tree of that `TreeSize` from the head instead of a chain (a captured round: `tree_round.launch_tree`)."""
+        flight (`on_device` arms only) it runs after that round on the device and lands after it. tree: a tree
+        of that `TreeSize` from the head instead of a chain (a captured round: `tree_round.launch_tree`)."""
         if drafter not in self.fed:
             raise ValueError(f"{drafter.name} is not among the stream's arms: start the stream with it")
-        if tree is not None and (self.captured is None or drafter is not self.captured.head or not sampling.greedy):
-            raise ValueError("a launched tree round is greedy, on a captured round, from its head")
+        if tree is not None and (self.captured is None or drafter is not self.captured.head):
+            raise ValueError("a launched tree round runs on a captured round, from its head")
         if self.unlanded:
             if not self.on_device(drafter):
                 raise ValueError(f"a round of {drafter.name} needs the host's rows: land the round in flight first")
@@ -239,7 +239,7 @@ class DeviceRound:
         if tree is not None:
             from flashspec_core.tree_round import launch_tree
 
-            launched = launch_tree(self, drafter, tree)
+            launched = launch_tree(self, drafter, tree, sampling.greedy)
         else:
             launched = self._launch(rows, drafter, k, sampling, generator)
         self.unlanded.append(launched)
@@ -447,11 +447,15 @@ class DeviceRound:
     def shapes(self, sampling: SamplingConfig, max_context: int, max_gamma: int, tree=None) -> list:
         """Every shape a stream may run: the head's first pass over a prompt in pieces (`PromptPiece`), its drafts
         and host ids at each K <= max_gamma, over every context bucket up to max_context, with the target's current
-        hidden-state readers; and the head's greedy trees of shape `tree` (a `TreeSize`) where one is given."""
+        hidden-state readers; and the head's trees of shape `tree` (a `TreeSize`; sampled: its static shape) where one
+        is given."""
         observe, head = bool(self.target.aux_layers), self.captured.head is not None
         buckets = [S for S in self.target.buckets if S <= self.target.bucket(max_context)]
-        trees = [Shape(True, tree.nodes, S, True, True, tree) for S in buckets if S > tree.nodes] \
-            if tree is not None and observe and head and sampling.greedy else []
+        from flashspec_core.tree_round import captured_nodes
+
+        N = captured_nodes(tree, sampling.greedy) if tree is not None else 0
+        trees = [Shape(True, N, S, sampling.greedy, True, tree) for S in buckets if S > N] \
+            if tree is not None and observe and head else []
         prompt_S = self.captured.prompt_S()
         prompt = [PromptPiece(T, prompt_S) for T in piece_sizes(self.target.max_graph_tokens)
                   if observe and prompt_S is not None]  # the head's first pass over a prompt

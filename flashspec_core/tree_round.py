@@ -5,7 +5,7 @@ hidden states of the kept slots). Eager on every model path; one device-to-host 
 besides the one the head's drafting makes for the tree's shape (`DraftHeadDrafter._rerank`).
 
     run_tree(round, rows, drafter, TreeSize(depth, top_k, size), sampling, generator) -> RoundOutput
-    launch_tree(round, drafter, TreeSize(...)) -> Launched        greedy, on the captured round (`DeviceRound.launch`)
+    launch_tree(round, drafter, TreeSize(...), greedy) -> Launched  on the captured round (`DeviceRound.launch`)
     land_tree(round, rows, launched) -> RoundOutput                 its landing (`DeviceRound.land`)
 
 The captured version (`CapturedRound.tree_body`) does the same on the device with fixed shapes: the head's levels
@@ -62,6 +62,11 @@ class TreeSize:
         return min(self.size, self.top_k + (self.depth - 1) * self.width * self.top_k)
 
     @property
+    def sampled(self) -> DraftTree:
+        """The shape a sampled tree of this size takes, fixed before any draw (`DraftTree.static`)."""
+        return DraftTree.static(self.depth, self.top_k, self.size)
+
+    @property
     def fixed(self) -> "TreeSize":
         """This shape at a fixed size (auto's bound): what a captured round verifies, one graph per shape."""
         return replace(self, auto=False)
@@ -103,18 +108,23 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], guessers, timer.done())
 
 
-def launch_tree(round_, drafter: DraftHeadDrafter, shape: TreeSize):
-    """A greedy tree round on the captured round (every drafted node verified), queued as one graph
-    (`CapturedRound.tree_body`) with its record's copy to the host: a `round.Launched` that `land_tree` finishes. It
-    reads nothing from the device, so it may be launched while the round before it is in flight."""
+def captured_nodes(shape: TreeSize, greedy: bool) -> int:
+    """The nodes a captured tree round of this shape drafts: greedy, `shape.nodes`; sampled, its static shape's."""
+    return shape.nodes if greedy else shape.sampled.N
+
+
+def launch_tree(round_, drafter: DraftHeadDrafter, shape: TreeSize, greedy: bool = True):
+    """A tree round on the captured round (every drafted node verified; sampled: the static shape), queued as one
+    graph (`CapturedRound.tree_body`) with its record's copy to the host: a `round.Launched` that `land_tree`
+    finishes. It reads nothing from the device, so it may be launched while the round before it is in flight."""
     from flashspec_core.round import Launched
 
     timer, c, target = RoundTimer(round_.device, round_.stream), round_.captured, round_.target
     guessers = [drafter.name] if target.aux_layers and drafter.h is not None else []
-    N = shape.nodes
+    N = captured_nodes(shape, greedy)
     S = target.bucket(target.length + max(N + 1, shape.depth * min(shape.top_k, shape.size)))  # the verify's slots,
     timer.drafted()  # the head's levels' slots (from the same start); the head drafts inside the round (verify_s)
-    packed = round_._to_host(c.run(Shape(True, N, S, True, bool(target.aux_layers), tree=shape)))
+    packed = round_._to_host(c.run(Shape(True, N, S, greedy, bool(target.aux_layers), tree=shape)))
     timer.launched()
     launched = Launched(N, packed, guessers, timer, captured=True, ready=timer.end if timer.cuda else None, tree=shape)
     target.length += launched.most  # the most the round keeps (the device compacts it; `land_tree` crops)

@@ -274,18 +274,16 @@ def test_greedy_captured_trees_equal_plain(tiny, shape, drafters):
             assert (engine.round.launched_ahead > 0) == ahead
 
 
-def test_a_launched_tree_round_is_greedy_and_the_heads(tiny):
-    """A tree round launched on the captured round must be greedy and from its head; a refused one counts nothing."""
+def test_a_launched_tree_round_is_the_heads(tiny):
+    """A tree round launched on the captured round must be from its head; a refused one counts nothing."""
     from flashspec_core.tree_round import TreeSize
 
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
     rows, gen, tree = [list(PROMPT)], torch.Generator().manual_seed(0), TreeSize(3, 2, 4)
     engine.round.start(rows, GREEDY, gen, len(PROMPT) + 40, 16, tree=tree)
-    with pytest.raises(ValueError, match="greedy, on a captured round, from its head"):
+    with pytest.raises(ValueError, match="runs on a captured round, from its head"):
         engine.round.launch(rows, engine.drafters["prompt_lookup"], 0, GREEDY, gen, tree=tree)
-    with pytest.raises(ValueError, match="greedy, on a captured round, from its head"):
-        engine.round.launch(rows, engine.drafters["draft_head"], 0, T1, gen, tree=tree)
     assert not engine.round.unlanded and engine.round.launched_ahead == 0
     out = engine.round.run_tree(rows, engine.drafters["draft_head"], tree, GREEDY, gen)
     assert out.drafted_tree is not None and len(rows[0]) > len(PROMPT) and not engine.round.unlanded
@@ -395,15 +393,13 @@ def test_emitted_tokens_follow_target_through_graphs(drafter):
 
 
 def test_the_captured_round_outlives_eager_streams_and_not_a_new_batch(tiny):
-    """A sampled tree stream (eager rounds) keeps the captured round and its graphs for the next stream; a stream of
-    another batch reallocates the caches the graphs read, so the next one-row stream builds a new round."""
-    from flashspec_core.tree_round import TreeSize
-
+    """A stream of eager rounds keeps the captured round and its graphs for the next stream; a stream of another
+    batch reallocates the caches the graphs read, so the next one-row stream builds a new round."""
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
     engine.generate(PROMPT, 8)
     first = engine.round.captured
-    engine.generate(PROMPT, 8, T1, tree=TreeSize(3, 2, 4))
+    engine.round.start([list(PROMPT)], T1, torch.Generator().manual_seed(0), captured=False)
     assert engine.round.captured is None
     engine.generate(PROMPT, 8)
     assert engine.round.captured is first
@@ -414,8 +410,8 @@ def test_the_captured_round_outlives_eager_streams_and_not_a_new_batch(tiny):
 
 
 def test_warm_up_lists_the_captured_tree_rounds_of_fixed_size(tiny, monkeypatch):
-    """Engine.warm_up(trees=...): the captured round is asked for the greedy tree rounds of each fixed-size tree
-    (an auto-sized one's bound; every bucket, with the head's readers), not at temperature > 0."""
+    """Engine.warm_up(trees=...): the captured round is asked for the tree rounds of each fixed-size tree (an
+    auto-sized one's bound; every bucket, with the head's readers), greedy and sampled (the static shape's nodes)."""
     from flashspec_core.captured import CapturedRound
     from flashspec_core.tree_round import TreeSize
 
@@ -426,7 +422,25 @@ def test_warm_up_lists_the_captured_tree_rounds_of_fixed_size(tiny, monkeypatch)
     fixed, auto = TreeSize(4, 2, 8), TreeSize(6, 4, 32, auto=True)
     engine.warm_up(256, trees=(fixed, auto, fixed))
     trees = [s for s in asked if s.tree is not None]
-    assert trees and {s.tree for s in trees} == {fixed, auto.fixed} and all(s.greedy and s.observe for s in trees)
+    assert trees and {s.tree for s in trees} == {fixed, auto.fixed} and all(s.observe for s in trees)
     assert len(trees) == len(set(trees))  # a tree given twice: asked once
-    assert {s.S for s in trees if s.tree == fixed} == \
-        {S for S in engine.target.buckets if fixed.nodes < S <= engine.target.bucket(256)}
+    for greedy, nodes in ((True, fixed.nodes), (False, fixed.sampled.N)):
+        assert {s.K for s in trees if s.tree == fixed and s.greedy == greedy} == {nodes}
+        assert {s.S for s in trees if s.tree == fixed and s.greedy == greedy} == \
+            {S for S in engine.target.buckets if nodes < S <= engine.target.bucket(256)}
+
+
+def test_a_sampled_tree_stream_runs_on_the_captured_round(tiny):
+    """At temperature > 0 a tree stream keeps the captured round: the head's trees are the static shape
+    (`TreeSize.sampled`), one round each, drafted and walked on the device; the same seed repeats the stream."""
+    from flashspec_core.tree_round import TreeSize
+
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
+    shape = TreeSize(4, 3, 9)
+    runs = [engine.generate(PROMPT, 40, T1, drafters=["draft_head"], tree=shape, seed=s) for s in (5, 6, 5)]
+    assert engine.round.captured is not None
+    trees = [e.drafted_tree for e in runs[0].events if e.drafted_tree is not None]
+    assert len(trees) > 3 and all(t.parents == shape.sampled.parents for t in trees)
+    assert sum(len(t.accepted) for t in trees) > 0, "the test needs accepted tree drafts"
+    assert runs[0].token_ids == runs[2].token_ids != runs[1].token_ids

@@ -84,14 +84,19 @@ def first_two_tokens(round_, shape: TreeSize, sampling, seed: int):
 SAMPLINGS = {"t1": SamplingConfig(temperature=1.0), "topk_topp": SamplingConfig(temperature=0.8, top_k=4, top_p=0.9)}
 
 
+@pytest.mark.parametrize("captured", ["off", "eager"])
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 @pytest.mark.parametrize("name", list(SIZES))
-def test_emitted_tokens_follow_target(name, sampling):
+def test_emitted_tokens_follow_target(name, sampling, captured):
+    """Eager tree rounds, and the captured round's (`CapturedRound.tree_body`: the static shape drafted level by
+    level on the device, `propose_sampled_tree_at`), what a GPU replays as one graph."""
     target = tiny_llama(V, seed=1, sharpness=0.5)
     head = tiny_head(target, draft_vocab=V - 1, seed=4)  # its top-k can miss a token p gives mass to
     cfg, shape = SAMPLINGS[sampling], SIZES[name]
-    round_ = DeviceRound(fast_or_eager(target.eval(), V), {"draft_head": DraftHeadDrafter(head, V)}, "torch")
+    round_ = DeviceRound(fast_or_eager(target.eval(), V), {"draft_head": DraftHeadDrafter(head, V)}, "torch",
+                         captured=captured)
     first, second, out = first_two_tokens(round_, shape, cfg, seed=len(name))
+    assert (round_.captured is not None) == (captured == "eager")
     p1, p2 = exact_laws(target, cfg)
     assert 0 < sum(out.num_accepted) < N * shape.depth, "the test needs both accepts and rejects"
     assert chi2(first, p1.float()) < CRITICAL
@@ -248,8 +253,9 @@ def test_a_greedy_auto_tree_on_a_captured_round_verifies_its_bound(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_tree_stream_after_warm_up_captures_nothing(tiny):
     """On CUDA, Engine.warm_up(tree_tokens=13, trees=(a 12-node tree,)) captures what its streams replay: the
-    target's tree verifies (a sampled tree's eager rounds) and the captured greedy tree rounds; neither stream
-    adds a graph, and the greedy one gives plain decoding's tokens."""
+    target's tree verifies (eager trees') and the captured tree rounds, greedy and sampled; neither stream adds a
+    graph or runs an eager round, the sampled one's rounds are trees, and the greedy one gives plain decoding's
+    tokens."""
     from tests.flashspec_core.test_captured import cuda_engine
 
     engine, shape = cuda_engine(tiny, torch.float32), SIZES["width4"]
@@ -257,7 +263,8 @@ def test_a_tree_stream_after_warm_up_captures_nothing(tiny):
     graphs = lambda: (len(engine.target.tree_graphs), len(engine.round._built.graphs))  # noqa: E731
     before = graphs()
     assert before[0] > 0 and before[1] > 0
-    engine.generate(PROMPT, 40, SamplingConfig(temperature=1.0), drafters=["draft_head"], tree=shape)
+    sampled = engine.generate(PROMPT, 40, SamplingConfig(temperature=1.0), drafters=["draft_head"], tree=shape)
+    assert any(e.drafted_tree is not None for e in sampled.events)
     result = engine.generate(PROMPT, 40, drafters=["draft_head"], tree=shape)
     assert graphs() == before and engine.round._built.eager_rounds == 0
     assert result.token_ids == engine.generate(PROMPT, 40, mode="plain").token_ids
