@@ -187,8 +187,11 @@ def parse_args(argv=None):
     ap.add_argument("--hf-compiled", action="store_true",
                     help="add Hugging Face generate() with a static cache under torch.compile (CUDA; warm-up untimed)")
     ap.add_argument("--tree", default=None, help="the draft head's trees in the bandit and fixed:draft_head rows: "
-                    "DEPTH,TOP_K,SIZE, or auto (up to 6,4,32, sized each round; on a GPU, greedy, its bound)")
+                    "DEPTH,TOP_K,SIZE, or auto (up to 6,4,32, sized each round; on a GPU its bound, sampled: its static shape)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the engine rows' sampling temperature (0: greedy); the Hugging Face rows stay greedy")
     args = ap.parse_args(argv)
+    args.sampling = SamplingConfig(temperature=args.temperature)
     args.gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
     args.tree = parse_tree(args.tree)
     return args
@@ -228,7 +231,7 @@ def run_rows(engine: Engine, float32, prompts: list[dict], peers: dict, args) ->
     for p in prompts:
         max_new = args.max_news[p["kind"]]
         if on_cuda:  # capture this prompt's CUDA graphs and compile kernels outside the timed runs
-            run_engine(engine, p["prompt"], max_new, args.seed, gamma=args.gamma, tree=args.tree)
+            run_engine(engine, p["prompt"], max_new, args.seed, args.sampling, gamma=args.gamma, tree=args.tree)
             if hf:
                 run_hf(engine, p["prompt"], 16)
             if args.hf_compiled:  # torch.compile specialises on the static cache's length: warm up at this one
@@ -243,7 +246,8 @@ def run_rows(engine: Engine, float32, prompts: list[dict], peers: dict, args) ->
                 r = best([run_hf(engine, p["prompt"], max_new, **kw) for _ in range(args.repeats)])
             else:
                 lm = float32 if name.startswith("float32:") else engine
-                r = best([run_engine(lm, p["prompt"], max_new, args.seed, **kw) for _ in range(args.repeats)])
+                r = best([run_engine(lm, p["prompt"], max_new, args.seed, args.sampling, **kw)
+                          for _ in range(args.repeats)])
             plain = plain or r
             r.update(prompt=p["kind"], config=name, max_new_tokens=max_new,
                      speedup=r["tok_per_s"] / plain["tok_per_s"], same_as_plain=r["ids"] == plain["ids"])
@@ -319,10 +323,12 @@ def write_results(engine: Engine, rows: list[dict], peers: dict, args, argv) -> 
 
     env = environment()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}" + (f"_{args.prompt_set}" if args.prompt_set != "examples" else "") + (f"_{args.tag}" if args.tag else "")
+    stem = f"engine_{args.preset}_{'cuda' if env['cuda'] else 'cpu'}" + \
+        (f"_{args.prompt_set}" if args.prompt_set != "examples" else "") + \
+        (f"_t{args.temperature:g}" if args.temperature else "") + (f"_{args.tag}" if args.tag else "")
     env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine),
                precision=engine.precision, peers={k: v["version"] for k, v in peers.items()}, repeats=args.repeats,
-               rounds=args.rounds, captured=args.captured, launch_ahead=args.launch_ahead, warm_up_s=args.warm_up_s,
+               rounds=args.rounds, temperature=args.temperature, captured=args.captured, launch_ahead=args.launch_ahead, warm_up_s=args.warm_up_s,
                eager_rounds=getattr(engine.round.captured, "eager_rounds", None), calibration=calibration(engine))
     payload = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
                "seed": args.seed, "gamma": args.gamma, "env": env, "rows": [stored(r) for r in rows]}

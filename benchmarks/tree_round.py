@@ -2,7 +2,7 @@
 tok/s on the hand-written open prompts.
 
     python -m benchmarks.tree_round [--prompts 12] [--max-new-tokens 96] [--precision float32] [--temperature 0]
-                                    [--captured off|auto] [--trees 6,4,32 6,2,10 auto]
+                                    [--captured off|auto] [--trees 6,4,32 6,2,10 auto] [--eager-trees]
 
 For each prompt (through the chat template) the embedded model decodes --max-new-tokens tokens four ways from the
 same state, each through `DeviceRound` with its own arms (plain feeds no drafter): plain (K = 0), head chains of
@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from statistics import mean
 
 import torch
@@ -31,14 +31,22 @@ CHAINS = (4, 6)
 TREES = (TreeSize(6, 2, 10), TreeSize(6, 4, 16), TreeSize(6, 4, 32), TreeSize(6, 4, 32, auto=True))
 
 
+@dataclass(frozen=True)
+class Eager:
+    """A tree row whose rounds run eagerly (`--eager-trees`): the head's levels from the host, the target's tree
+    verify on its own graphs, as trees ran at temperature > 0 before their captured rounds."""
+    tree: TreeSize
+
+
 def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, seed: int, max_new: int) -> dict:
-    """max_new tokens from ids by rounds of one kind: an int K (chain, 0 = plain) or a TreeSize."""
+    """max_new tokens from ids by rounds of one kind: an int K (chain, 0 = plain), a TreeSize or an Eager one."""
     round_, head = engine.round, engine.drafters["draft_head"]
+    captured = not isinstance(config, Eager)  # trees: one graph a round (auto at its bound), as the engine
+    config = config if captured else config.tree
     rows, gen = [list(ids)], torch.Generator(device=engine.target.device).manual_seed(seed)  # as the engine
     s = StreamState(rows, sampling, "auto", "speculative", ["draft_head"], max_new, gen, None, tree=config)
     arms = ["draft_head"] if config else ["no_draft"]  # plain feeds no drafter, as the engine's plain mode
     tree = isinstance(config, TreeSize)
-    captured = not tree or sampling.greedy  # greedy trees: one graph a round (auto at its bound), as the engine
     round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=arms, captured=captured,
                  tree_tokens=config.size + 1 if tree else 0,
                  tree=config.fixed if tree and captured else None)  # graphs captured here, outside the timed rounds
@@ -75,6 +83,8 @@ def round_times(outs: list, seconds: float) -> dict:
 
 
 def name_of(config) -> str:
+    if isinstance(config, Eager):
+        return "eager " + name_of(config.tree)
     if isinstance(config, TreeSize) and config.auto:
         return f"tree d{config.depth} k{config.top_k} auto<={config.size}"
     return f"tree d{config.depth} k{config.top_k} s{config.size}" if isinstance(config, TreeSize) else \
@@ -104,7 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--captured", default="off", choices=["auto", "eager", "off"],
                     help="the engine's captured rounds (auto: CUDA graphs on a GPU) for the chains, the plain rows and "
-                         "greedy trees (tree auto at its bound: sized per round only without a captured round)")
+                         "trees (tree auto at its bound: sized per round only without a captured round)")
+    ap.add_argument("--eager-trees", action="store_true",
+                    help="also run every tree row with eager rounds (the head's levels from the host)")
     ap.add_argument("--trees", nargs="+", default=None, metavar="D,K,S|auto",
                     help="the tree rows (default: " + " ".join(name_of(t) for t in TREES) + ")")
     args = ap.parse_args(argv)
@@ -113,7 +125,7 @@ def main(argv=None) -> int:
     engine.warm_up(1024)  # the measured costs that tree "auto" sizes its trees by, and the chains' graphs
     sampling = SamplingConfig(temperature=args.temperature)
     prompts = load_prompt_set("open")[:args.prompts]
-    configs = [0, *CHAINS, *trees]
+    configs = [0, *CHAINS, *trees, *(Eager(t) for t in trees if args.eager_trees)]
     rows = []
     for i, p in enumerate(prompts):
         ids = engine.encode(p["prompt"])
