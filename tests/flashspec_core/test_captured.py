@@ -392,6 +392,27 @@ def test_emitted_tokens_follow_target_through_graphs(drafter):
     assert chi2(torch.tensor([t[0] for t in out.tokens]), p1.float()) < CRITICAL
 
 
+@cuda
+def test_emitted_tokens_follow_target_through_sampled_tree_graphs():
+    """The chi-squared test of the first emitted token, every row of one replayed sampled tree graph (N rows, a
+    tree of depth 3 and width 2: the head's levels drawn, the tree walked and both caches compacted on the GPU)."""
+    from flashspec_core.tree_round import TreeSize
+    from tests.flashspec_core.test_draft_head import tiny_head
+
+    target = tiny_llama(V, seed=1, sharpness=0.5)
+    cfg, shape = SAMPLINGS["topk_topp"], TreeSize(3, 2, 6)
+    p1, _ = exact_laws(target, cfg)
+    target = target.cuda()
+    engine = Engine.from_models(target, [tiny_head(target, draft_vocab=V - 1, seed=4).cuda()], captured="auto")
+    rows, gen = [list(LAW_PROMPT) for _ in range(N)], torch.Generator(device="cuda").manual_seed(0)
+    engine.round.start(rows, cfg, gen, len(LAW_PROMPT) + 8, 4, tree=shape)
+    out = engine.round.run_tree(rows, engine.drafters["draft_head"], shape, cfg, gen)
+    c = engine.round.captured
+    assert c.graphs and c.eager_rounds == 0 and out.drafted_tree is not None
+    assert 0 < sum(out.num_accepted) < N * shape.depth, "the test needs both accepts and rejects"
+    assert chi2(torch.tensor([t[0] for t in out.tokens]), p1.float()) < CRITICAL
+
+
 def test_the_captured_round_outlives_eager_streams_and_not_a_new_batch(tiny):
     """A stream of eager rounds keeps the captured round and its graphs for the next stream; a stream of another
     batch reallocates the caches the graphs read, so the next one-row stream builds a new round."""
