@@ -1,6 +1,7 @@
 """Where a captured round's GPU time goes: the kernels of plain, chain and tree rounds, in microseconds a round.
 
     python -m benchmarks.round_profile [--prompt 1] [--max-new-tokens 96] [--rows 40] [--dtype float32]
+                                       [--temperature 1]
 
 On a GPU (rounds replay CUDA graphs), one hand-written open prompt is decoded once per config as
 `benchmarks.tree_round` decodes it (plain, a chain of 6, trees of 10 and 32 nodes), then again under the torch
@@ -38,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rows", type=int, default=40, help="kernels printed per config")
     ap.add_argument("--dtype", default="auto", help="auto = bfloat16 on CUDA; float32 profiles its rounds")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled rounds (trees in their static shape)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -46,7 +48,7 @@ def main(argv=None) -> int:
     engine = Engine.from_preset("embedded", dtype=args.dtype, precision="auto", captured="auto")
     engine.warm_up(1024)
     ids = engine.encode(load_prompt_set("open")[args.prompt]["prompt"])
-    sampling, out = SamplingConfig(temperature=0.0), {}
+    sampling, out = SamplingConfig(temperature=args.temperature), {}
     for config in CONFIGS:
         decode(engine, ids, config, sampling, 0, args.max_new_tokens)  # its graphs, before the profiled run
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
