@@ -198,7 +198,7 @@ class CapturedRound:
         a row of the tree's parents."""
         greedy = shape.greedy
         proposal = self.head.propose_tree_at(shape.tree, self.length, shape.S) if greedy else \
-            self.head.propose_sampled_tree_at(shape.tree.sampled, self.length, shape.S, self.params, self.generator)
+            self.head.propose_sampled_tree_at(shape.tree, self.length, shape.S, self.params, self.generator)
         tree, guess = proposal.tree, [self.head.fixed.guess] if shape.observe else []
         logits, aux = self.target.forward_tree_at(torch.cat([self.pending, proposal.tokens], dim=1), tree,
                                                   self.length, shape.S)

@@ -486,7 +486,7 @@ class DraftHeadDrafter(Drafter):
         self.h: torch.Tensor | None = None  # [B, 1, H] the first pass's output at the last verified slot
         self.logits: torch.Tensor | None = None  # [B, draft V] float32: the next draft token's logits
         self.fixed: _Fixed | None = None  # a captured round's buffers (`bind`), kept across streams
-        self.plans: dict[tuple[int, ...], _SampledPlan] = {}  # captured sampled trees' index tensors, by shape
+        self.plans: dict = {}  # captured sampled trees' index tensors (`_SampledPlan`), by TreeSize
         self.catch_up_slots = catch_up
         self.waiting: list[torch.Tensor] = []  # features [B, n, F] of verified slots not yet through the first pass
         self.sets_length = self.device.type == "cpu"
@@ -628,14 +628,15 @@ class DraftHeadDrafter(Drafter):
         return _ranked(torch.cat(scores, 1), self._tree_parents(chosen, k), self.ids[torch.cat(index, 1)], size,
                        depth, k, backend)
 
-    def propose_sampled_tree_at(self, tree: DraftTree, length: torch.Tensor, S: int, params: torch.Tensor,
+    def propose_sampled_tree_at(self, shape, length: torch.Tensor, S: int, params: torch.Tensor,
                                 generator) -> TreeProposal:
         """`_sampled_tree` inside a captured round, from the fixed state: the static shape's levels, each level's
         children drawn without replacement from the head's q at their parents (one draw over the level), then one
         head step over the level's nodes at head slots length + (the nodes of the levels above), each seeing the
         verified slots, its ancestors and itself (`observe_at` overwrites them). The tree is the shape as a
-        `TensorTree`; q [B, N, V] the law each node was drawn from, as `kernels.tree_verify` reads it."""
-        plan, cache = self._sampled_plan(tree), self.fixed.cache
+        `TensorTree` whose depth bound is `shape.depth` (the record's layout, as a greedy tree's); q [B, N, V] the law
+        each node was drawn from, as `kernels.tree_verify` reads it. shape: a `TreeSize`, drafted as `shape.sampled`."""
+        plan, cache = self._sampled_plan(shape), self.fixed.cache
         h, logits = self.fixed.h, self.fixed.logits[:, None]  # the level above's [B, W, H], [B, W, draft V]
         score = logits.new_zeros(logits.shape[:2], dtype=torch.float32)
         verified = (cache.slots[:S] < length)[None, :]  # [1, S]
@@ -658,12 +659,12 @@ class DraftHeadDrafter(Drafter):
         pick = lambda xs: torch.cat(xs, dim=1).index_select(1, plan.order)  # noqa: E731  (level order -> node order)
         return TreeProposal(plan.tree, pick(tokens), self._widen(pick(qs)), pick(scores))
 
-    def _sampled_plan(self, tree: DraftTree) -> "_SampledPlan":
-        """`sampled_plan(tree)` on this drafter's device, made once per shape (before a graph is captured: its first
-        call is the capture's warm-up) and kept."""
-        if tree.parents not in self.plans:
-            self.plans[tree.parents] = sampled_plan(tree, self.device)
-        return self.plans[tree.parents]
+    def _sampled_plan(self, shape) -> "_SampledPlan":
+        """`sampled_plan` of a `TreeSize`'s static shape on this drafter's device, made once per shape (before a graph
+        is captured: its first call is the capture's warm-up) and kept."""
+        if shape not in self.plans:
+            self.plans[shape] = sampled_plan(shape.sampled, shape.depth, self.device)
+        return self.plans[shape]
 
     def _tree_parents(self, chosen: list[torch.Tensor], k: int) -> torch.Tensor:
         """Each candidate's parent candidate id [M] (-1 the root): the root's k children, then k children of each
@@ -862,9 +863,9 @@ class _SampledPlan:
     order: torch.Tensor  # [N] node i's place among the levels' nodes laid end to end
 
 
-def sampled_plan(tree: DraftTree, device) -> _SampledPlan:
+def sampled_plan(tree: DraftTree, depth: int, device) -> _SampledPlan:
     """A static tree (`DraftTree.static`) as the index tensors a captured sampled tree drafts it with, level by
-    level (`DraftHeadDrafter.propose_sampled_tree_at`)."""
+    level (`DraftHeadDrafter.propose_sampled_tree_at`); depth >= its levels bounds its `TensorTree`."""
     as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
     levels, above, slot_of = [], [-1], {}
     for d in range(1, tree.max_depth + 1):
@@ -882,7 +883,7 @@ def sampled_plan(tree: DraftTree, device) -> _SampledPlan:
         above = nodes
     laid = [i for d in range(1, tree.max_depth + 1) for i in range(tree.N) if tree.depth[i] == d]
     width = max(len(k) for k in tree.children)
-    return _SampledPlan(TensorTree(as_tensor(list(tree.parents)), tree.max_depth, width), levels,
+    return _SampledPlan(TensorTree(as_tensor(list(tree.parents)), depth, width), levels,
                         as_tensor([laid.index(i) for i in range(tree.N)]))
 
 
@@ -910,15 +911,14 @@ def _without_replacement(law: torch.Tensor, c: int, generator) -> tuple[torch.Te
     law each was drawn from given the earlier ones: [..., c] indices, [..., c, V] laws. Where the law has no token
     left, the draw is the next index in the race and its law one-hot there (a deterministic sibling)."""
     noise = torch.empty_like(law).exponential_(generator=generator)
-    drawn = (law / noise).topk(c, dim=-1).indices  # [..., c]
-    laws = []
-    left = law.clone()
-    for j in range(c):
-        mass = left.sum(dim=-1, keepdim=True)
-        one_hot = torch.zeros_like(left).scatter_(-1, drawn[..., j:j + 1], 1.0)
-        laws.append(torch.where(mass > 0, left / mass.clamp_min(1e-30), one_hot))
-        left = left.scatter(-1, drawn[..., j:j + 1], 0.0)
-    return drawn, torch.stack(laws, dim=-2)
+    drawn = (law / noise).topk(c, dim=-1).indices  # [..., c] distinct
+    index = drawn[..., None, :].expand(*drawn.shape, c)  # [..., c (law j), c (draw i)]
+    earlier = torch.ones(c, c, device=law.device).tril(-1).expand(index.shape)  # [j, i] 1 where draw i came before j
+    left = law[..., None, :] * (1 - torch.zeros_like(law[..., None, :]).expand(*index.shape[:-1], law.shape[-1])
+                                .scatter(-1, index, earlier))  # law j: the law without the draws before it
+    mass = left.sum(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(left).scatter_(-1, drawn[..., None], 1.0)
+    return drawn, torch.where(mass > 0, left / mass.clamp_min(1e-30), one_hot)
 
 
 def draw(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:

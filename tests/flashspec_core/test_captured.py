@@ -451,14 +451,16 @@ def test_warm_up_lists_the_captured_tree_rounds_of_fixed_size(tiny, monkeypatch)
             {S for S in engine.target.buckets if nodes < S <= engine.target.bucket(256)}
 
 
-def test_a_sampled_tree_stream_runs_on_the_captured_round(tiny):
+@pytest.mark.parametrize("size", [(4, 3, 9), (6, 2, 4)], ids=["full_depth", "shallower"])
+def test_a_sampled_tree_stream_runs_on_the_captured_round(tiny, size):
     """At temperature > 0 a tree stream keeps the captured round: the head's trees are the static shape
-    (`TreeSize.sampled`), one round each, drafted and walked on the device; the same seed repeats the stream."""
+    (`TreeSize.sampled`, which may have fewer levels than the size's depth), one round each, drafted and walked on
+    the device; the same seed repeats the stream."""
     from flashspec_core.tree_round import TreeSize
 
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
-    shape = TreeSize(4, 3, 9)
+    shape = TreeSize(*size)
     runs = [engine.generate(PROMPT, 40, T1, drafters=["draft_head"], tree=shape, seed=s) for s in (5, 6, 5)]
     assert engine.round.captured is not None
     trees = [e.drafted_tree for e in runs[0].events if e.drafted_tree is not None]
