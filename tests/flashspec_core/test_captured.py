@@ -467,3 +467,16 @@ def test_a_sampled_tree_stream_runs_on_the_captured_round(tiny, size):
     assert len(trees) > 3 and all(t.parents == shape.sampled.parents for t in trees)
     assert sum(len(t.accepted) for t in trees) > 0, "the test needs accepted tree drafts"
     assert runs[0].token_ids == runs[2].token_ids != runs[1].token_ids
+
+
+def test_a_sampled_auto_tree_takes_chains_on_the_captured_round(tiny):
+    """Tree "auto" at temperature > 0 on a captured round drafts chains (its static tree measured slower than a
+    chain on an H200); a fixed sampled tree still drafts trees there."""
+    from flashspec_core.tree_round import TreeSize
+
+    target, head = tiny
+    engine = Engine.from_models(target, [head], kernel_backend="torch", captured="eager")
+    auto = engine.generate(PROMPT, 24, T1, drafters=["draft_head"], tree=TreeSize(4, 3, 9, auto=True), seed=1)
+    fixed = engine.generate(PROMPT, 24, T1, drafters=["draft_head"], tree=TreeSize(4, 3, 9), seed=1)
+    assert engine.round.captured is not None
+    assert not any(e.drafted_tree for e in auto.events) and any(e.drafted_tree for e in fixed.events)
