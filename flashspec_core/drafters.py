@@ -914,8 +914,8 @@ def _without_replacement(law: torch.Tensor, c: int, generator) -> tuple[torch.Te
     drawn = (law / noise).topk(c, dim=-1).indices  # [..., c] distinct
     index = drawn[..., None, :].expand(*drawn.shape, c)  # [..., c (law j), c (draw i)]
     earlier = torch.ones(c, c, device=law.device).tril(-1).expand(index.shape)  # [j, i] 1 where draw i came before j
-    left = law[..., None, :] * (1 - torch.zeros_like(law[..., None, :]).expand(*index.shape[:-1], law.shape[-1])
-                                .scatter(-1, index, earlier))  # law j: the law without the draws before it
+    removed = law.new_zeros(*index.shape[:-1], law.shape[-1]).scatter_(-1, index, earlier)  # [..., c, V]
+    left = law[..., None, :] * (1 - removed)  # law j: the law without the draws before it
     mass = left.sum(dim=-1, keepdim=True)
     one_hot = torch.zeros_like(left).scatter_(-1, drawn[..., None], 1.0)
     return drawn, torch.where(mass > 0, left / mass.clamp_min(1e-30), one_hot)

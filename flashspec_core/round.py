@@ -449,10 +449,10 @@ class DeviceRound:
         and host ids at each K <= max_gamma, over every context bucket up to max_context, with the target's current
         hidden-state readers; and the head's trees of shape `tree` (a `TreeSize`; sampled: its static shape) where one
         is given."""
-        observe, head = bool(self.target.aux_layers), self.captured.head is not None
-        buckets = [S for S in self.target.buckets if S <= self.target.bucket(max_context)]
         from flashspec_core.tree_round import captured_nodes
 
+        observe, head = bool(self.target.aux_layers), self.captured.head is not None
+        buckets = [S for S in self.target.buckets if S <= self.target.bucket(max_context)]
         N = captured_nodes(tree, sampling.greedy) if tree is not None else 0
         trees = [Shape(True, N, S, sampling.greedy, True, tree) for S in buckets if S > N] \
             if tree is not None and observe and head else []
