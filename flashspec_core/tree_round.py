@@ -20,6 +20,7 @@ was tried and rejected), so events show the accepted path and the branches that 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,9 +62,10 @@ class TreeSize:
         root's top_k children, then top_k children of each of the `width` nodes a level expands)."""
         return min(self.size, self.top_k + (self.depth - 1) * self.width * self.top_k)
 
-    @property
+    @functools.cached_property
     def sampled(self) -> DraftTree:
-        """The shape a sampled tree of this size takes, fixed before any draw (`DraftTree.static`)."""
+        """The shape a sampled tree of this size takes, fixed before any draw (`DraftTree.static`; made once: a
+        captured round's launch reads its node count every round)."""
         return DraftTree.static(self.depth, self.top_k, self.size)
 
     @property
