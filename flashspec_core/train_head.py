@@ -53,6 +53,7 @@ class TrainConfig:
     head_intermediate: int = 0  # the head's MLP width (0: the target's); past --init's, the new units start silent
     ttt_steps: int = 7  # draft passes unrolled per training step
     step_decay: float = 0.8  # loss weight of pass j: decay**j
+    tv_weight: float = 0.0  # weight of each pass's chance of rejection at temperature 1, 1 - sum min(p, q), in the loss
     lr: float = 6e-4
     warmup_steps: int = 60
     batch_tokens: int = 16384  # padded tokens per training batch
@@ -144,23 +145,35 @@ class SoftCrossEntropy(torch.autograd.Function):
     """Per row, the cross-entropy -sum_v p_v log softmax(z)_v of z = x @ W^T (W frozen) against a target law p
     given as pw = p @ W and s = sum_v p_v: s * logsumexp(z) - x . pw. Nothing [rows, V] is kept but z (the
     matrix product's own output): no log-probabilities, no products with p; backward recomputes softmax(z).
+    With tv > 0, plus tv * (1 - sum_v min(p_v, q_v)), q = softmax(z): one minus the chance that a token drawn from
+    q is accepted at temperature 1, read from p's rows `p_all[at]` (p itself, [rows of the batch, V]; no copy
+    kept). Its gradient in z is q * (Q - [q < p]), Q the mass of q where q < p.
     The products run in bfloat16 where autocast is on (as `nn.Linear` would), the rest in float32."""
 
     @staticmethod
-    def forward(ctx, x, weight, pw, s):
+    def forward(ctx, x, weight, pw, s, p_all=None, at=None, tv=0.0):
         dt = torch.bfloat16 if torch.is_autocast_enabled(x.device.type) else x.dtype
         w = weight.to(dt)
         z = x.to(dt) @ w.t()  # [N, V]
         lse = LSE(z)
-        ctx.save_for_backward(x, w, z, lse, pw, s)
-        return s * lse - (x.to(pw.dtype) * pw).sum(-1)
+        loss = s * lse - (x.to(pw.dtype) * pw).sum(-1)
+        under = None
+        if tv > 0:
+            accepted, under = TV_PARTS(z, lse, p_all.index_select(0, at))
+            loss = loss + tv * (1 - accepted)
+        ctx.tv = tv
+        ctx.save_for_backward(x, w, z, lse, pw, s, p_all, at, under)
+        return loss
 
     @staticmethod
     def backward(ctx, g):
-        x, w, z, lse, pw, s = ctx.saved_tensors
-        grad_z = SCALED_SOFTMAX(z, lse, g * s).to(w.dtype)
+        x, w, z, lse, pw, s, p_all, at, under = ctx.saved_tensors
+        grad_z = SCALED_SOFTMAX(z, lse, g * s)
+        if ctx.tv > 0:
+            grad_z = grad_z + TV_GRAD(z, lse, p_all.index_select(0, at), under, g * ctx.tv)
+        grad_z = grad_z.to(w.dtype)
         grad_x = (grad_z @ w).to(pw.dtype) - g[:, None] * pw
-        return grad_x.to(x.dtype), None, None, None
+        return grad_x.to(x.dtype), None, None, None, None, None, None
 
 
 def _wide(z: torch.Tensor) -> torch.Tensor:
@@ -175,37 +188,55 @@ def _scaled_softmax(z: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor) -> 
     return (_wide(z) - lse[:, None]).exp() * scale[:, None]
 
 
-LSE, SCALED_SOFTMAX = _lse, _scaled_softmax  # torch.compile'd on CUDA by `compile_loss` (one fused pass each)
+def _tv_parts(z: torch.Tensor, lse: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: sum_v min(p, q) and the mass of q where q < p (q = softmax(z), lse its log-sum-exp)."""
+    q = (_wide(z) - lse[:, None]).exp()
+    below = q < p
+    return torch.where(below, q, p).sum(-1), torch.where(below, q, 0.0).sum(-1)
+
+
+def _tv_grad(z: torch.Tensor, lse: torch.Tensor, p: torch.Tensor, under: torch.Tensor, scale: torch.Tensor):
+    """d/dz of scale * (1 - sum_v min(p, q)) per row: scale * q * (under - [q < p])."""
+    q = (_wide(z) - lse[:, None]).exp()
+    return q * (under[:, None] - (q < p).to(q.dtype)) * scale[:, None]
+
+
+# torch.compile'd on CUDA by `compile_loss` (one fused pass over [rows, V] each)
+LSE, SCALED_SOFTMAX, TV_PARTS, TV_GRAD = _lse, _scaled_softmax, _tv_parts, _tv_grad
 
 
 def compile_loss(enabled: bool) -> None:
-    """Fuse the loss's two passes over [rows, V] (log-sum-exp; the scaled softmax of backward) with torch.compile,
-    shapes dynamic; `False` puts the eager functions back."""
-    global LSE, SCALED_SOFTMAX
+    """Fuse the loss's passes over [rows, V] (log-sum-exp; the scaled softmax of backward; the acceptance term's
+    sums and gradient) with torch.compile, shapes dynamic; `False` puts the eager functions back."""
+    global LSE, SCALED_SOFTMAX, TV_PARTS, TV_GRAD
     wrap = (lambda f: torch.compile(f, dynamic=True)) if enabled else (lambda f: f)
-    LSE, SCALED_SOFTMAX = wrap(_lse), wrap(_scaled_softmax)
+    LSE, SCALED_SOFTMAX, TV_PARTS, TV_GRAD = wrap(_lse), wrap(_scaled_softmax), wrap(_tv_parts), wrap(_tv_grad)
 
 
-def soft_targets(head: DraftHead, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_targets(head: DraftHead, probs: torch.Tensor, keep: bool = False):
     """The target's laws on the draft vocabulary [B, T, V] as the loss reads them: p @ W [B, T, H] and sum p [B, T],
-    in float32 (autocast off: one product a step, and backward subtracts it from softmax(z) @ W)."""
+    in float32 (autocast off: one product a step, and backward subtracts it from softmax(z) @ W); and, if `keep`
+    (the acceptance term reads them), the laws themselves, else None."""
     with torch.autocast(probs.device.type, enabled=False):
-        return probs.float() @ head.lm_head.weight.float(), probs.sum(-1)
+        return probs.float() @ head.lm_head.weight.float(), probs.sum(-1), probs if keep else None
 
 
 def pass_loss(head: DraftHead, outs: list[torch.Tensor], target, rows: list[torch.Tensor],
               cfg: TrainConfig) -> torch.Tensor:
-    """Weighted cross-entropy of every pass against the target's distribution at the position it predicts
-    (`target`: `soft_targets` of the target's laws; `rows`: `answer_rows`)."""
+    """Weighted cross-entropy of every pass against the target's distribution at the position it predicts, plus
+    cfg.tv_weight times its chance of rejection at temperature 1 (`target`: `soft_targets` of the target's laws,
+    kept if tv_weight > 0; `rows`: `answer_rows`)."""
     B, T, H = target[0].shape
     pw, s = target[0].reshape(B * T, H), target[1].reshape(B * T)
+    p_all = target[2].reshape(B * T, -1) if cfg.tv_weight > 0 else None
     total, weight = 0.0, 0.0
     for j, (h, r) in enumerate(zip(outs, rows)):
         if r.numel() == 0:  # known on the host
             continue
         x = head.norm(h.reshape(B * T, -1).index_select(0, r))  # [N, H]: slot t of row b
         at = r + 1 + j  # position t + 1 + j: the target's law there is of the token pass j predicts
-        ce = SoftCrossEntropy.apply(x, head.lm_head.weight, pw.index_select(0, at), s.index_select(0, at)).mean()
+        ce = SoftCrossEntropy.apply(x, head.lm_head.weight, pw.index_select(0, at), s.index_select(0, at),
+                                    p_all, at, cfg.tv_weight).mean()
         total = total + cfg.step_decay ** j * ce
         weight += cfg.step_decay ** j
     return total / max(weight, 1e-9)
@@ -215,24 +246,29 @@ def step_loss(head: DraftHead, model, batch, cfg: TrainConfig) -> torch.Tensor:
     ids, lengths, starts = batch
     rows = answer_rows(lengths, starts, ids.shape[1], cfg.ttt_steps, ids.device)
     features, probs, _ = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
-    target = soft_targets(head, probs)
+    target = soft_targets(head, probs, keep=cfg.tv_weight > 0)
     del probs
     return pass_loss(head, head.ttt_forward(features, ids, cfg.ttt_steps), target, rows, cfg)
 
 
-def agreement(head: DraftHead, logits: torch.Tensor, p: torch.Tensor, top: torch.Tensor):
+def agreement(head: DraftHead, logits: torch.Tensor, p: torch.Tensor, top: torch.Tensor, tau: float = 1.0):
     """One draft pass against the target at the positions it predicts: hit (the head's argmax over the draft
     vocabulary is the target's argmax `top`) and alpha = sum_v min(p, q), its chance of acceptance at temperature 1
-    (p: the target's distribution on the draft vocabulary, q = softmax(logits))."""
-    return head.draft_ids[logits.argmax(-1)] == top, torch.minimum(p, logits.softmax(-1)).sum(-1)
+    (p: the target's distribution on the draft vocabulary, q = softmax(logits / tau), tau the draft temperature)."""
+    return head.draft_ids[logits.argmax(-1)] == top, torch.minimum(p, (logits.float() / tau).softmax(-1)).sum(-1)
+
+
+DRAFT_TEMPERATURES = (0.7, 0.8, 0.9, 1.0)  # drafting at temperature 1 from softmax(logits / tau): evaluated for each
 
 
 @torch.no_grad()
 def evaluate(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device) -> dict:
     """Held-out loss, top-1 agreement per pass, and the chain's expected tokens per target forward at
     K = ttt_steps: greedy answers (exact: a chain is accepted while it equals the target's argmax) and
-    temperature-1 answers (expected: sum over k of the product of sum_v min(p, q) of the first k passes)."""
+    temperature-1 answers (expected: sum over k of the product of sum_v min(p, q) of the first k passes), the
+    latter for each draft temperature of DRAFT_TEMPERATURES too."""
     K, losses, tpf = cfg.ttt_steps, [], {True: [], False: []}
+    by_tau = {tau: [] for tau in DRAFT_TEMPERATURES}
     agree, counted = torch.zeros(K), torch.zeros(K)
     held = corpus.split(heldout=True)
     spread = held[:: max(1, len(held) // max(1, cfg.eval_sequences))][: cfg.eval_sequences]  # greedy and sampled alike
@@ -241,26 +277,29 @@ def evaluate(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device) -
         features, probs, top = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
         outs = head.ttt_forward(features, ids, K)
         rows = answer_rows(lengths, starts, ids.shape[1], K, device)
-        losses.append(float(pass_loss(head, outs, soft_targets(head, probs), rows, cfg)))
+        losses.append(float(pass_loss(head, outs, soft_targets(head, probs, keep=True), rows, cfg)))
         W = ids.shape[1] - K  # slots whose K passes fit
         if W <= 0:
             continue
         slots = valid(lengths, starts, ids.shape[1], K - 1)[:, :W].to(device)  # ... and all predict answer tokens
-        hits, alphas = [], []
+        sampled = slots & ~torch.tensor([corpus.greedy[i] for i in idx], device=device)[:, None]
+        hits, alphas = [], {tau: [] for tau in by_tau}
         for j, h in enumerate(outs):
-            hit, alpha = agreement(head, head.logits(h[:, :W]), probs[:, 1 + j:1 + j + W], top[:, 1 + j:1 + j + W])
-            alphas.append(alpha)
+            logits, p, t = head.logits(h[:, :W]), probs[:, 1 + j:1 + j + W], top[:, 1 + j:1 + j + W]
+            for tau in by_tau:
+                hit, alpha = agreement(head, logits, p, t, tau)
+                alphas[tau].append(alpha)
             agree[j] += float(hit[slots].sum())
             counted[j] += float(slots.sum())
             hits.append(hit)
         run = 1 + torch.stack(hits, -1).long().cumprod(-1).sum(-1).float()  # greedy: exact accepted chain
-        expect = 1 + torch.stack(alphas, -1).cumprod(-1).sum(-1)  # temperature 1: expected
-        greedy = torch.tensor([corpus.greedy[i] for i in idx], device=device)[:, None]
-        tpf[True] += run[slots & greedy].tolist()
-        tpf[False] += expect[slots & ~greedy].tolist()
+        tpf[True] += run[slots & ~sampled].tolist()
+        for tau, a in alphas.items():  # temperature 1: expected
+            by_tau[tau] += (1 + torch.stack(a, -1).cumprod(-1).sum(-1))[sampled].tolist()
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     return {"loss": mean(losses), "greedy_tokens_per_forward": mean(tpf[True]),
-            "t1_tokens_per_forward": mean(tpf[False]), "K": K,
+            "t1_tokens_per_forward": mean(by_tau[1.0]), "K": K,
+            "t1_by_draft_temperature": {str(tau): round(mean(v), 4) for tau, v in by_tau.items()},
             "top1_per_pass": [round(x, 4) for x in (agree / counted.clamp(min=1)).tolist()]}
 
 

@@ -2,6 +2,7 @@
 tokenizer and chat template): the corpus, the draft vocabulary, the loss going down, checkpoints and export."""
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -126,38 +127,46 @@ def test_draft_vocabulary_is_the_most_frequent_answer_tokens():
     assert len(merge([c, c])) == 4
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_the_fused_soft_cross_entropy_and_its_gradient_are_the_written_out_ones(compiled):
+@pytest.mark.parametrize("compiled,tv", [(False, 0.0), (True, 0.0), (False, 1.5), (True, 1.5)])
+def test_the_fused_soft_cross_entropy_and_its_gradient_are_the_written_out_ones(compiled, tv):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
     W = torch.randn(300, 16, generator=g, dtype=torch.float64)
-    p = torch.randn(37, 300, generator=g, dtype=torch.float64).softmax(-1) * 0.9  # not renormalised, like the target's
+    p_all = torch.randn(50, 300, generator=g, dtype=torch.float64).softmax(-1) * 0.9  # not renormalised (as the target)
+    at = torch.randperm(50, generator=g)[:37]
+    p = p_all[at]
     weights = torch.rand(37, generator=g, dtype=torch.float64)  # a non-uniform upstream gradient
-    ref = -(p * (x @ W.t()).log_softmax(-1)).sum(-1)
+    ref = -(p * (x @ W.t()).log_softmax(-1)).sum(-1) + tv * (1 - torch.minimum(p, (x @ W.t()).softmax(-1)).sum(-1))
     (gx_ref,) = torch.autograd.grad((ref * weights).sum(), x)
     compile_loss(compiled)
     try:
-        got = SoftCrossEntropy.apply(x, W, p @ W, p.sum(-1))
+        got = SoftCrossEntropy.apply(x, W, p @ W, p.sum(-1), p_all, at, tv)
         (gx,) = torch.autograd.grad((got * weights).sum(), x)
     finally:
         compile_loss(False)
     assert torch.allclose(got, ref, rtol=1e-10, atol=1e-10) and torch.allclose(gx, gx_ref, rtol=1e-10, atol=1e-10)
     assert not torch.allclose(gx, gx_ref + 1e-6)  # the comparison sees a change this small
+    if tv:  # the acceptance term moves the gradient (rows of q below and above p both occur)
+        (gx_ce,) = torch.autograd.grad((SoftCrossEntropy.apply(x, W, p @ W, p.sum(-1)) * weights).sum(), x)
+        assert not torch.allclose(gx, gx_ce, atol=1e-3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_fused_loss_compiled_under_autocast_on_cuda_is_the_written_out_one():
+@pytest.mark.parametrize("tv", [0.0, 1.5])
+def test_the_fused_loss_compiled_under_autocast_on_cuda_is_the_written_out_one(tv):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(300, 64, generator=g, device="cuda", requires_grad=True)
     W = torch.randn(1000, 64, generator=g, device="cuda") * 0.3
     p = torch.randn(300, 1000, generator=g, device="cuda").softmax(-1) * 0.9
+    at = torch.arange(300, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        ref = -(p * torch.nn.functional.linear(x, W).log_softmax(-1)).sum(-1)
+        z = torch.nn.functional.linear(x, W)
+        ref = -(p * z.log_softmax(-1)).sum(-1) + tv * (1 - torch.minimum(p, z.float().softmax(-1)).sum(-1))
     (gx_ref,) = torch.autograd.grad(ref.mean(), x)
     compile_loss(True)
     try:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            got = SoftCrossEntropy.apply(x, W, p @ W, p.sum(-1))
+            got = SoftCrossEntropy.apply(x, W, p @ W, p.sum(-1), p, at, tv)
         (gx,) = torch.autograd.grad(got.mean(), x)
     finally:
         compile_loss(False)
@@ -201,6 +210,13 @@ def test_the_loss_reads_the_answer_slots_each_pass_predicts(tiny, corpus):
         weight += CFG.step_decay ** j
     rows = answer_rows(lengths, starts, T, K, "cpu")
     got = pass_loss(head, outs, soft_targets(head, probs), rows, CFG)
+    assert torch.allclose(got, ref / weight, rtol=1e-5)
+    tv, cfg = 0.7, replace(CFG, tv_weight=0.7)  # plus each pass's chance of rejection at temperature 1
+    for j, h in enumerate(outs):
+        mask = valid(lengths, starts, T, j)
+        q = head.logits(h[:, :T - 1 - j][mask]).softmax(-1)
+        ref = ref + CFG.step_decay ** j * tv * (1 - torch.minimum(probs[:, 1 + j:][mask], q).sum(-1)).mean()
+    got = pass_loss(head, outs, soft_targets(head, probs, keep=True), rows, cfg)
     assert torch.allclose(got, ref / weight, rtol=1e-5)
     shifted = [r[1:] for r in rows]  # one slot fewer per pass: a different loss
     assert not torch.allclose(pass_loss(head, outs, soft_targets(head, probs), shifted, CFG), ref / weight, rtol=1e-5)
