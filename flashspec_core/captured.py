@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from flashspec_core.drafters import DraftHeadDrafter, Proposal
 from flashspec_core.fast_path import MAX_GRAPH_TOKENS
-from flashspec_core.sampling import SamplingConfig, logits_to_probs_at, sampling_params
+from flashspec_core.sampling import SamplingConfig, draft_sampling, logits_to_probs_at, sampling_params
 from kernels import verify, verify_tree
 
 
@@ -75,6 +75,7 @@ class CapturedRound:
         self.pending = torch.zeros((batch, 1), dtype=torch.int64, device=dev)  # the id the next verify feeds first
         self.draft = torch.zeros((batch, T - 1), dtype=torch.int64, device=dev)  # a host drafter's ids
         self.params = sampling_params(SamplingConfig(1.0), dev)  # temperature, top_k, top_p while sampling
+        self.head_params = self.params.clone()  # the head's (`draft_sampling`: its own draft temperature)
         self.steps = torch.arange(T, device=dev)
         self.generator = torch.Generator(device=dev)  # every random draw of a captured round
         self.graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -109,6 +110,8 @@ class CapturedRound:
         self.length.fill_(self.target.length)
         if not sampling.greedy:
             self.params.copy_(sampling_params(sampling, self.params.device))
+            tau = self.head.head.cfg.draft_temperature if self.head is not None else 1.0
+            self.head_params.copy_(sampling_params(draft_sampling(sampling, tau), self.params.device))
         if not self.use_graphs:
             self.generator = generator
         elif generator is not self.generator:
@@ -175,7 +178,8 @@ class CapturedRound:
         K, greedy = shape.K, shape.greedy
         guess = [self.head.fixed.guess] if shape.observe else []  # the head's guess at the pre-round context
         if shape.head:
-            proposal = self.head.propose_at(K, self.length, shape.S, None if greedy else self.params, self.generator)
+            proposal = self.head.propose_at(K, self.length, shape.S, None if greedy else self.head_params,
+                                            self.generator)
         else:
             proposal = Proposal(self.draft[:, :K], None)
         pos = self.length + self.steps[:K + 1]  # [K+1] cache slots and rotary positions of the verify
@@ -198,7 +202,7 @@ class CapturedRound:
         a row of the tree's parents."""
         greedy = shape.greedy
         proposal = self.head.propose_tree_at(shape.tree, self.length, shape.S) if greedy else \
-            self.head.propose_sampled_tree_at(shape.tree, self.length, shape.S, self.params, self.generator)
+            self.head.propose_sampled_tree_at(shape.tree, self.length, shape.S, self.head_params, self.generator)
         tree, guess = proposal.tree, [self.head.fixed.guess] if shape.observe else []
         logits, aux = self.target.forward_tree_at(torch.cat([self.pending, proposal.tokens], dim=1), tree,
                                                   self.length, shape.S)

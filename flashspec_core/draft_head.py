@@ -49,8 +49,11 @@ class HeadConfig:
     aux_layers: tuple[int, ...]  # residual streams entering these target decoder layers (HF hidden_states[i])
     target_layers: int  # decoder layers of the target, to check the aux ids and the pairing
     max_position_embeddings: int
+    draft_temperature: float = 1.0  # sampled drafts draw from softmax(logits / (the target's temperature * this))
 
     def __post_init__(self):
+        if not 0 < self.draft_temperature <= 4:
+            raise ValueError(f"draft_temperature must be in (0, 4], got {self.draft_temperature!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:

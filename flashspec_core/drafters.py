@@ -30,7 +30,7 @@ import torch
 from flashspec_core.draft_head import DraftHead, HeadCache
 from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length, worth_another
 from flashspec_core.models import CausalLM
-from flashspec_core.sampling import SamplingConfig, logits_to_probs, logits_to_probs_at, sample
+from flashspec_core.sampling import SamplingConfig, draft_sampling, logits_to_probs, logits_to_probs_at, sample
 from flashspec_core.tree import DraftTree, TensorTree
 from kernels.tree_level import Level, next_frontier, rank_tree_triton, tree_level
 
@@ -506,7 +506,7 @@ class DraftHeadDrafter(Drafter):
         return f
 
     def start(self, rows, sampling, generator, hidden=None):
-        self.sampling, self.generator = sampling, generator
+        self.sampling, self.generator = draft_sampling(sampling, self.head.cfg.draft_temperature), generator
         if self.fixed is not None and self.fixed.h.shape[0] == len(rows):
             self.cache = self.fixed.cache
             self.cache.length = 0

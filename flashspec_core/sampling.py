@@ -6,7 +6,7 @@ argmaxes and never samples.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +35,15 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def draft_sampling(cfg: SamplingConfig, draft_temperature: float) -> SamplingConfig:
+    """The settings a drafter draws from when it drafts at `draft_temperature` times the target's temperature
+    (greedy stays greedy). Any q keeps the output exact, since the accept test reads the q drafted from; a q
+    sharper than the target's law can be accepted more often."""
+    if cfg.greedy or draft_temperature == 1.0:
+        return cfg
+    return replace(cfg, temperature=max(MIN_TEMPERATURE, cfg.temperature * draft_temperature))
 
 
 def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

@@ -372,9 +372,12 @@ def test_sampled_graph_streams_repeat_with_their_seed(tiny):
 
 
 @cuda
-@pytest.mark.parametrize("drafter", ["prompt_lookup", "draft_head"])
-def test_emitted_tokens_follow_target_through_graphs(drafter):
-    """The chi-squared test of the first emitted token, every row of one replayed graph (N rows, K = 4)."""
+@pytest.mark.parametrize("drafter,tau", [("prompt_lookup", 1.0), ("draft_head", 1.0), ("draft_head", 0.4)])
+def test_emitted_tokens_follow_target_through_graphs(drafter, tau):
+    """The chi-squared test of the first emitted token, every row of one replayed graph (N rows, K = 4); the head
+    also at a draft temperature of 0.4 (its q far sharper than p, read from the round's device settings)."""
+    from dataclasses import replace
+
     from tests.flashspec_core.test_draft_head import tiny_head
 
     target = tiny_llama(V, seed=1, sharpness=0.5)
@@ -382,20 +385,25 @@ def test_emitted_tokens_follow_target_through_graphs(drafter):
     p1, _ = exact_laws(target, cfg)
     target = target.cuda()
     head = tiny_head(target, draft_vocab=V - 1, seed=4).cuda()
+    head.cfg = replace(head.cfg, draft_temperature=tau)
     engine = Engine.from_models(target, ["prompt_lookup", head], captured="auto")
     rows, gen = [list(LAW_PROMPT) for _ in range(N)], torch.Generator(device="cuda").manual_seed(0)
     engine._start(rows, cfg, gen, max_context=len(LAW_PROMPT) + 8, max_gamma=4)
     out = engine._round(rows, engine.drafters[drafter], 4, cfg, gen)
     c = engine.round.captured
-    assert c.graphs and c.eager_rounds == 0
+    assert c.graphs and c.eager_rounds == 0 and float(c.head_params[0]) == pytest.approx(cfg.temperature * tau)
     assert 0 < sum(out.num_accepted) < N * 4, "the test needs both accepts and rejects"
     assert chi2(torch.tensor([t[0] for t in out.tokens]), p1.float()) < CRITICAL
 
 
 @cuda
-def test_emitted_tokens_follow_target_through_sampled_tree_graphs():
+@pytest.mark.parametrize("tau", [1.0, 0.4])
+def test_emitted_tokens_follow_target_through_sampled_tree_graphs(tau):
     """The chi-squared test of the first emitted token, every row of one replayed sampled tree graph (N rows, a
-    tree of depth 3 and width 2: the head's levels drawn, the tree walked and both caches compacted on the GPU)."""
+    tree of depth 3 and width 2: the head's levels drawn, the tree walked and both caches compacted on the GPU);
+    the head also at a draft temperature of 0.4."""
+    from dataclasses import replace
+
     from flashspec_core.tree_round import TreeSize
     from tests.flashspec_core.test_draft_head import tiny_head
 
@@ -403,7 +411,9 @@ def test_emitted_tokens_follow_target_through_sampled_tree_graphs():
     cfg, shape = SAMPLINGS["topk_topp"], TreeSize(3, 2, 6)
     p1, _ = exact_laws(target, cfg)
     target = target.cuda()
-    engine = Engine.from_models(target, [tiny_head(target, draft_vocab=V - 1, seed=4).cuda()], captured="auto")
+    head = tiny_head(target, draft_vocab=V - 1, seed=4).cuda()
+    head.cfg = replace(head.cfg, draft_temperature=tau)
+    engine = Engine.from_models(target, [head], captured="auto")
     rows, gen = [list(LAW_PROMPT) for _ in range(N)], torch.Generator(device="cuda").manual_seed(0)
     engine.round.start(rows, cfg, gen, len(LAW_PROMPT) + 8, 4, tree=shape)
     out = engine.round.run_tree(rows, engine.drafters["draft_head"], shape, cfg, gen)

@@ -82,6 +82,30 @@ def test_emitted_tokens_follow_target(pair, head, drafter, K, sampling):
     assert s1 < CRITICAL and s2 < CRITICAL, f"chi2 first={s1:.1f} second={s2:.1f} (critical {CRITICAL})"
 
 
+@pytest.mark.parametrize("sampling", list(SAMPLINGS), ids=list(SAMPLINGS))
+@pytest.mark.parametrize("captured", ["off", "eager"])
+def test_a_head_drafting_at_its_own_temperature_keeps_the_target(pair, sampling, captured):
+    """A head whose draft temperature (0.4) makes q far sharper than the target's law: its rounds draw from that q
+    (eager rounds and the captured round's device settings) and the emitted tokens still follow p."""
+    import copy
+    from dataclasses import replace
+
+    target, cfg = pair[0], SAMPLINGS[sampling]
+    from tests.flashspec_core.test_draft_head import tiny_head
+
+    head = copy.deepcopy(tiny_head(target, draft_vocab=V - 1, seed=4))
+    head.cfg = replace(head.cfg, draft_temperature=0.4)
+    engine = Engine.from_models(target, [head], kernel_backend="torch", captured=captured)
+    first, second, out = first_two_tokens(engine, "draft_head", 4, cfg, seed=7)
+    drafted = engine.drafters["draft_head"].sampling.temperature if captured == "off" else \
+        float(engine.round.captured.head_params[0])
+    assert drafted == pytest.approx(cfg.temperature * 0.4)
+    p1, p2 = exact_laws(target, cfg)
+    assert 0 < sum(out.num_accepted) < N * 4, "the test needs both accepts and rejects"
+    s1, s2 = chi2(first, p1), chi2(second, p2)
+    assert s1 < CRITICAL and s2 < CRITICAL, f"chi2 first={s1:.1f} second={s2:.1f} (critical {CRITICAL})"
+
+
 def test_the_test_has_power(pair):
     """The same statistic rejects the draft's law, so a verifier that emitted q-samples would fail."""
     target, draft = pair

@@ -2,6 +2,7 @@
 paths, exact cache rollback, greedy equality through the engine, the EAGLE-3 file layout, and clear errors for
 missing or mismatched head files."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -212,6 +213,23 @@ def test_saved_layout_is_eagle3_and_loads_back(target, tmp_path):
     loaded = load_head(tmp_path, target.config, target.get_input_embeddings().weight)
     for name, t in head.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], t.to(torch.bfloat16).to(t.dtype) if t.is_floating_point() else t)
+    assert loaded.cfg == head.cfg and loaded.cfg.draft_temperature == 1.0
+
+
+def test_the_draft_temperature_travels_with_the_head_and_a_bad_one_is_refused(target, tmp_path):
+    head = tiny_head(target)
+    head.cfg = replace(head.cfg, draft_temperature=0.9)
+    save_head(head, tmp_path)
+    embed = target.get_input_embeddings().weight
+    assert load_head(tmp_path, target.config, embed).cfg.draft_temperature == 0.9
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["flashspec"]["draft_temperature"]  # a head saved before the field existed drafts at 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_head(tmp_path, target.config, embed).cfg.draft_temperature == 1.0
+    config["flashspec"]["draft_temperature"] = 0.0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadMismatchError, match="malformed.*draft_temperature"):
+        load_head(tmp_path, target.config, embed)
 
 
 def test_missing_or_mismatched_head_files_give_clear_errors(target, tmp_path):
