@@ -107,15 +107,15 @@ def pad(corpus: Corpus, idx: list[int], max_len: int, device):
 
 
 @torch.no_grad()
-def target_side(model, ids: torch.Tensor, aux_layers, draft_ids: torch.Tensor):
+def target_side(model, ids: torch.Tensor, aux_layers, draft_ids: torch.Tensor, temperature: float = 1.0):
     """The target's aux features [B, T, F], its next-token distribution on the draft vocabulary [B, T, Vd]
-    (temperature 1, not renormalised: exp of the draft ids' logits less the whole vocabulary's log-sum-exp, so no
-    full-width softmax is written) and its argmax over the whole vocabulary [B, T]."""
+    (at `temperature`, not renormalised: exp of the draft ids' logits less the whole vocabulary's log-sum-exp, so
+    no full-width softmax is written) and its argmax over the whole vocabulary [B, T]."""
     out = model(input_ids=ids, output_hidden_states=True)
     features = torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1).float()
     logits = out.logits
-    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
-    probs = (logits[..., draft_ids].float() - lse).exp()
+    lse = torch.logsumexp(logits.float() / temperature, dim=-1, keepdim=True)
+    probs = (logits[..., draft_ids].float() / temperature - lse).exp()
     return features, probs, logits.argmax(dim=-1)
 
 
@@ -253,8 +253,9 @@ def step_loss(head: DraftHead, model, batch, cfg: TrainConfig) -> torch.Tensor:
 
 def agreement(head: DraftHead, logits: torch.Tensor, p: torch.Tensor, top: torch.Tensor, tau: float = 1.0):
     """One draft pass against the target at the positions it predicts: hit (the head's argmax over the draft
-    vocabulary is the target's argmax `top`) and alpha = sum_v min(p, q), its chance of acceptance at temperature 1
-    (p: the target's distribution on the draft vocabulary, q = softmax(logits / tau), tau the draft temperature)."""
+    vocabulary is the target's argmax `top`) and alpha = sum_v min(p, q), its chance of acceptance when sampling
+    (p: the target's distribution on the draft vocabulary, q = softmax(logits / tau), tau the temperature drafted
+    at: the target's times the head's draft temperature)."""
     return head.draft_ids[logits.argmax(-1)] == top, torch.minimum(p, (logits.float() / tau).softmax(-1)).sum(-1)
 
 
@@ -511,11 +512,21 @@ def load_corpus(folder: Path, name: str = "corpus") -> Corpus:
 
 
 def export(head: DraftHead, meta: dict, out: Path) -> Path:
-    """The shipped folder: EAGLE-3 config and bfloat16 weights (lm_head included), and the card."""
+    """The shipped folder: EAGLE-3 config and bfloat16 weights (lm_head included), and the card. The head drafts at
+    the draft temperature that did best at temperature 1 in the last held-out evaluation (`fitted_temperature`)."""
     card = {"what": "EAGLE-3 style draft head for " + meta["target"], **{k: meta[k] for k in (
         "recipe", "sizes", "data", "init", "seconds", "train", "steps", "seed", "hardware", "heldout", "curve", "versions")
         if k in meta}}
+    head.cfg = replace(head.cfg, draft_temperature=fitted_temperature(meta.get("heldout"), head.cfg.draft_temperature))
     return save_head(head, out, card)
+
+
+def fitted_temperature(point: dict | None, default: float) -> float:
+    """The draft temperature of `DRAFT_TEMPERATURES` with the most expected tokens per forward at temperature 1 in
+    an evaluation `point` (`evaluate`'s), or `default` where it has none."""
+    grid = (point or {}).get("t1_by_draft_temperature") or {}
+    scored = {float(t): v for t, v in grid.items() if v == v}  # NaN: no sampled answers held out
+    return max(scored, key=scored.get) if scored else default
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -232,9 +232,13 @@ def test_checkpoint_and_export_load_back_and_draft_exactly(tiny, corpus, tmp_pat
         assert torch.equal(again.state_dict()[name], t), name
     export(again, meta, tmp_path / "out")
     shipped = load_head(tmp_path / "out", model.config, model.get_input_embeddings().weight)
+    assert shipped.cfg.draft_temperature == 1.0  # no held-out evaluation to fit it on
     engine = Engine.from_models(model, [shipped], tokenizer=tokenizer)
     plain = engine.generate("Tell me about rivers.", 12, mode="plain").token_ids
     assert engine.generate("Tell me about rivers.", 12, drafters=["draft_head"], gamma=3).token_ids == plain
+    meta["heldout"] = {"t1_by_draft_temperature": {"0.7": 2.1, "0.8": 2.3, "0.9": 2.2, "1.0": float("nan")}}
+    export(again, meta, tmp_path / "fitted")
+    assert load_head(tmp_path / "fitted", model.config, model.get_input_embeddings().weight).cfg.draft_temperature == 0.8
 
 
 def test_a_checkpoint_keeps_the_optimizers_moments_for_the_run_that_goes_on(tiny, corpus, tmp_path):
