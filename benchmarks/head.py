@@ -4,12 +4,15 @@ kept out of training), per kind of request.
 
     python -m benchmarks.head [--head assets/draft_head ...] [--sets open,heldout] [--heldout 40] [--online-k 4,6,8]
 
-For each prompt, own plain decoding gives the target's greedy answer and a temperature-1 answer (same seed).
+For each prompt, own plain decoding gives the target's greedy answer and a sampled answer at --temperature (1 by
+default; same seed).
 Teacher-forced along them, the head's K draft passes from every answer position give the first pass's top-1
 agreement with the target, the greedy chain's tokens per target forward at K = 4, 6, 8 (exact: a chain is
-accepted while it equals the target's argmax) and the expected tokens per forward at temperature 1 (sum over k
-of the product of sum_v min(p, q) of the first k passes, along the sampled answer). Online, the engine drafts
-with the head alone at each K of --online-k (greedy, cold): tokens per forward and tok/s against own plain.
+accepted while it equals the target's argmax) and the expected tokens per forward when sampling (sum over k
+of the product of sum_v min(p, q) of the first k passes, along the sampled answer; q at the head's draft
+temperature, or at each of --draft-temperatures). Online, the engine drafts with the head alone at each K of
+--online-k (greedy, cold; with --online-sampled at --temperature too): tokens per forward and tok/s against own
+plain.
 Several --head folders are compared on the same answers. Writes JSON under benchmarks/results/ and prints a
 table. Numbers, not assertions.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from statistics import mean
 
@@ -32,8 +36,12 @@ from flashspec_core.train_head import agreement, target_side
 
 from benchmarks.run import GREEDY, RESULTS, ROOT, environment, run_engine
 
-T1 = SamplingConfig(temperature=1.0)
 KS = (4, 6, 8)
+
+
+def sampled_key(temperature: float) -> str:
+    """The sampled columns' name: tf_t1_k6 at temperature 1, tf_t0.7_k6 at 0.7."""
+    return f"tf_t{temperature:g}"
 
 
 def load_prompts(name: str, head_folder: Path, n: int | None) -> list[dict]:
@@ -44,16 +52,20 @@ def load_prompts(name: str, head_folder: Path, n: int | None) -> list[dict]:
 
 
 @torch.no_grad()
-def teacher_forced(model, head, prompt_ids: list[int], answer: list[int], K: int) -> dict[str, torch.Tensor]:
-    """Per answer slot: hits [S, K] (pass j's argmax equals the target's) and alphas [S, K] (sum_v min(p, q))."""
+def teacher_forced(model, head, prompt_ids: list[int], answer: list[int], K: int,
+                   temperature: float = 1.0) -> dict[str, torch.Tensor]:
+    """Per answer slot: hits [S, K] (pass j's argmax equals the target's) and alphas [S, K] (sum_v min(p, q), p at
+    `temperature`, q at it times the head's draft temperature)."""
     ids = torch.tensor([prompt_ids + answer], device=model.device)
-    features, probs, top = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
+    features, probs, top = target_side(model, ids, head.cfg.aux_layers, head.draft_ids, temperature)
     outs = head.ttt_forward(features.to(head.fc.weight.dtype), ids, K)
     start, L = len(prompt_ids), ids.shape[1]
     slots = torch.arange(max(0, start - 1), max(0, L - 1 - K), device=ids.device)  # first draft after the bonus token
     hits, alphas = [], []
     for j, h in enumerate(outs):
-        hit, alpha = agreement(head, head.logits(h[0, slots]).float(), probs[0, slots + 1 + j], top[0, slots + 1 + j])
+        logits = head.logits(h[0, slots]).float()
+        tau = temperature * head.cfg.draft_temperature
+        hit, alpha = agreement(head, logits, probs[0, slots + 1 + j], top[0, slots + 1 + j], tau)
         hits.append(hit)
         alphas.append(alpha)
     return {"hits": torch.stack(hits, -1).float(), "alphas": torch.stack(alphas, -1)}
@@ -67,18 +79,26 @@ def chain(x: torch.Tensor, K: int) -> float:
 def measure_prompt(engine: Engine, model, heads: dict, row: dict, args) -> dict:
     prompt_ids = engine.encode(row["prompt"])
     plain = run_engine(engine, row["prompt"], args.max_new_tokens, args.seed, mode="plain")
-    sampled = run_engine(engine, row["prompt"], args.max_new_tokens, args.seed, T1, mode="plain")
+    sampling = SamplingConfig(temperature=args.temperature)
+    sampled = run_engine(engine, row["prompt"], args.max_new_tokens, args.seed, sampling, mode="plain")
     out = {**row, "plain_tok_per_s": plain["tok_per_s"], "answer_tokens": len(plain["ids"]), "heads": {}}
     for name, (head, head_engine) in heads.items():
         g = teacher_forced(model, head, prompt_ids, plain["ids"], max(KS))
-        s = teacher_forced(model, head, prompt_ids, sampled["ids"], max(KS))
+        s = teacher_forced(model, head, prompt_ids, sampled["ids"], max(KS), args.temperature)
         r = {"top1": float(g["hits"][:, 0].mean()) if len(g["hits"]) else float("nan"),
-             **{f"tf_greedy_k{k}": chain(g["hits"], k) for k in KS}, **{f"tf_t1_k{k}": chain(s["alphas"], k) for k in KS}}
+             **{f"tf_greedy_k{k}": chain(g["hits"], k) for k in KS},
+             **{f"{sampled_key(args.temperature)}_k{k}": chain(s["alphas"], k) for k in KS}}
         for k in args.online_k:
             o = run_engine(head_engine, row["prompt"], args.max_new_tokens, args.seed, drafters=["draft_head"], gamma=k)
             r[f"online_k{k}"] = o["tokens_per_forward"]
             r[f"speedup_k{k}"] = o["tok_per_s"] / plain["tok_per_s"]
             r[f"same_k{k}"] = o["ids"] == plain["ids"]
+            if args.online_sampled:  # the same at --temperature, against own plain decoding's sampled run
+                o = run_engine(head_engine, row["prompt"], args.max_new_tokens, args.seed, sampling,
+                               drafters=["draft_head"], gamma=k)
+                t = sampled_key(args.temperature)[3:]
+                r[f"online_{t}_k{k}"] = o["tokens_per_forward"]
+                r[f"speedup_{t}_k{k}"] = o["tok_per_s"] / sampled["tok_per_s"]
         out["heads"][name] = r
     return out
 
@@ -97,9 +117,11 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def table(summary: dict, online_k: list[int]) -> str:
-    cols = ["top1", *[f"tf_greedy_k{k}" for k in KS], *[f"tf_t1_k{k}" for k in KS],
-            *[f"online_k{k}" for k in online_k], *[f"speedup_k{k}" for k in online_k]]
+def table(summary: dict, online_k: list[int], temperature: float, online_sampled: bool) -> str:
+    t = sampled_key(temperature)[3:]
+    cols = ["top1", *[f"tf_greedy_k{k}" for k in KS], *[f"{sampled_key(temperature)}_k{k}" for k in KS],
+            *[f"online_k{k}" for k in online_k], *[f"speedup_k{k}" for k in online_k],
+            *[f"{c}_{t}_k{k}" for k in online_k for c in ("online", "speedup") if online_sampled]]
     lines = ["| set / head | prompts | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
     for name, s in summary.items():
         lines.append(f"| {name} | {s['all']['prompts']} | " + " | ".join(f"{s['all'][c]:.3f}" for c in cols) + " |")
@@ -113,6 +135,10 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout", type=int, default=40, help="held-out prompts of the first head's generator")
     ap.add_argument("--prompts", type=int, default=0, help="at most this many prompts of each set (0 = all)")
     ap.add_argument("--online-k", default="4,6,8", help="draft lengths of the online runs ('' = none)")
+    ap.add_argument("--draft-temperatures", default="", help="compare each head at these draft temperatures "
+                    "(e.g. 0.9,1.0; default: each head's own)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="of the sampled answers and their p and q")
+    ap.add_argument("--online-sampled", action="store_true", help="online runs at --temperature too")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
@@ -123,12 +149,15 @@ def main(argv=None) -> int:
     device = pick_device(args.device)
     model, tokenizer = load_model("embedded", device, pick_dtype("auto", device))
     embed = model.get_input_embeddings().weight
-    heads = {}  # folder name -> (head, an engine drafting with it alone)
-    for f in folders:
+    heads = {}  # folder name (@ draft temperature) -> (head, an engine drafting with it alone)
+    taus = [float(t) for t in args.draft_temperatures.split(",") if t] or [None]
+    for f, tau in ((f, tau) for f in folders for tau in taus):
         head = load_head(f, model.config, embed, dtype=embed.dtype)
+        head.cfg = head.cfg if tau is None else replace(head.cfg, draft_temperature=tau)
         drafter = DraftHeadDrafter(head, model.config.vocab_size, HEADS["embedded"].vocab_limit)
-        heads[f.parent.name + "/" + f.name] = (head, Engine.from_models(model, [drafter], tokenizer=tokenizer, name="embedded"))
-        run_engine(heads[f.parent.name + "/" + f.name][1], "Hello!", 8, args.seed, drafters=["draft_head"], gamma=4)  # warm-up
+        name = f.parent.name + "/" + f.name + ("" if tau is None else f"@{tau:g}")
+        heads[name] = (head, Engine.from_models(model, [drafter], tokenizer=tokenizer, name="embedded"))
+        run_engine(heads[name][1], "Hello!", 8, args.seed, drafters=["draft_head"], gamma=4)  # warm-up
     engine = next(iter(heads.values()))[1]
     rows = []
     for set_name in args.sets.split(","):
@@ -141,13 +170,14 @@ def main(argv=None) -> int:
     summary = summarize(rows)
     env = environment()
     payload = {"command": "python -m benchmarks.head " + " ".join(sys.argv[1:] if argv is None else argv),
-               "heads": [str(f) for f in folders], "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+               "heads": [str(f) for f in folders], "temperature": args.temperature,
+               "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                "env": env, "summary": summary, "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"head_embedded_{'cuda' if env['cuda'] else 'cpu'}{'_' + args.tag if args.tag else ''}.json"
     out.write_text(json.dumps(payload, indent=1))
     print(f"{env['cuda'] or env['machine']}, torch {env['torch']}, commit {env['commit']}; {out.relative_to(ROOT)}")
-    print(table(summary, args.online_k))
+    print(table(summary, args.online_k, args.temperature, args.online_sampled))
     return 0
 
 
