@@ -268,8 +268,8 @@ def evaluate(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device) -
     K = ttt_steps: greedy answers (exact: a chain is accepted while it equals the target's argmax) and
     temperature-1 answers (expected: sum over k of the product of sum_v min(p, q) of the first k passes), the
     latter for each draft temperature of DRAFT_TEMPERATURES too."""
-    K, losses, tpf = cfg.ttt_steps, [], {True: [], False: []}
-    by_tau = {tau: [] for tau in DRAFT_TEMPERATURES}
+    K, losses, greedy_tpf = cfg.ttt_steps, [], []
+    by_tau = {tau: [] for tau in DRAFT_TEMPERATURES}  # sampled answers' expected tokens per forward
     agree, counted = torch.zeros(K), torch.zeros(K)
     held = corpus.split(heldout=True)
     spread = held[:: max(1, len(held) // max(1, cfg.eval_sequences))][: cfg.eval_sequences]  # greedy and sampled alike
@@ -294,11 +294,11 @@ def evaluate(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, device) -
             counted[j] += float(slots.sum())
             hits.append(hit)
         run = 1 + torch.stack(hits, -1).long().cumprod(-1).sum(-1).float()  # greedy: exact accepted chain
-        tpf[True] += run[slots & ~sampled].tolist()
+        greedy_tpf += run[slots & ~sampled].tolist()
         for tau, a in alphas.items():  # temperature 1: expected
             by_tau[tau] += (1 + torch.stack(a, -1).cumprod(-1).sum(-1))[sampled].tolist()
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {"loss": mean(losses), "greedy_tokens_per_forward": mean(tpf[True]),
+    return {"loss": mean(losses), "greedy_tokens_per_forward": mean(greedy_tpf),
             "t1_tokens_per_forward": mean(by_tau[1.0]), "K": K,
             "t1_by_draft_temperature": {str(tau): round(mean(v), 4) for tau, v in by_tau.items()},
             "top1_per_pass": [round(x, 4) for x in (agree / counted.clamp(min=1)).tolist()]}

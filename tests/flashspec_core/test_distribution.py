@@ -87,13 +87,12 @@ def test_emitted_tokens_follow_target(pair, head, drafter, K, sampling):
 def test_a_head_drafting_at_its_own_temperature_keeps_the_target(pair, sampling, captured):
     """A head whose draft temperature (0.4) makes q far sharper than the target's law: its rounds draw from that q
     (eager rounds and the captured round's device settings) and the emitted tokens still follow p."""
-    import copy
     from dataclasses import replace
 
-    target, cfg = pair[0], SAMPLINGS[sampling]
     from tests.flashspec_core.test_draft_head import tiny_head
 
-    head = copy.deepcopy(tiny_head(target, draft_vocab=V - 1, seed=4))
+    target, cfg = pair[0], SAMPLINGS[sampling]
+    head = tiny_head(target, draft_vocab=V - 1, seed=4)  # a new head: the module's fixture keeps its temperature
     head.cfg = replace(head.cfg, draft_temperature=0.4)
     engine = Engine.from_models(target, [head], kernel_backend="torch", captured=captured)
     first, second, out = first_two_tokens(engine, "draft_head", 4, cfg, seed=7)
