@@ -61,14 +61,31 @@ def teacher_forced(model, head, prompt_ids: list[int], answer: list[int], K: int
     outs = head.ttt_forward(features.to(head.fc.weight.dtype), ids, K)
     start, L = len(prompt_ids), ids.shape[1]
     slots = torch.arange(max(0, start - 1), max(0, L - 1 - K), device=ids.device)  # first draft after the bonus token
-    hits, alphas = [], []
+    hits, alphas, moments = [], [], torch.zeros(5, dtype=torch.float64)
     for j, h in enumerate(outs):
         logits = head.logits(h[0, slots]).float()
         tau = temperature * head.cfg.draft_temperature
         hit, alpha = agreement(head, logits, probs[0, slots + 1 + j], top[0, slots + 1 + j], tau)
         hits.append(hit)
         alphas.append(alpha)
-    return {"hits": torch.stack(hits, -1).float(), "alphas": torch.stack(alphas, -1)}
+        moments += acceptance_moments(probs[0, slots + 1 + j], (logits / tau).softmax(-1))
+    return {"hits": torch.stack(hits, -1).float(), "alphas": torch.stack(alphas, -1), "moments": moments}
+
+
+def acceptance_moments(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Sums over rows and over tokens x drawn from q (weights q(x)) of 1, q(x), q(x)^2, a(x) and q(x) a(x), where
+    a(x) = min(1, p(x) / q(x)) is the chance that a drawn x is accepted: the moments of the least-squares line
+    a ~ c0 + c1 q(x) (`acceptance_fit`), the head's own probability of a draw read as its chance of acceptance."""
+    a = torch.where(q > 0, (p / q.clamp(min=1e-30)).clamp(max=1.0), torch.zeros_like(q)).double()
+    q = q.double()
+    return torch.stack([q.sum(), (q * q).sum(), (q ** 3).sum(), (q * a).sum(), (q * q * a).sum()])
+
+
+def acceptance_fit(m) -> tuple[float, float]:
+    """(c0, c1) of a ~ c0 + c1 q(x) from `acceptance_moments` (summed over any rows)."""
+    w, x, xx, y, xy = (float(v) for v in m)
+    c1 = (xy * w - x * y) / max(xx * w - x * x, 1e-30)
+    return (y - c1 * x) / w, c1
 
 
 def chain(x: torch.Tensor, K: int) -> float:
@@ -88,6 +105,7 @@ def measure_prompt(engine: Engine, model, heads: dict, row: dict, args) -> dict:
         r = {"top1": float(g["hits"][:, 0].mean()) if len(g["hits"]) else float("nan"),
              **{f"tf_greedy_k{k}": chain(g["hits"], k) for k in KS},
              **{f"{sampled_key(args.temperature)}_k{k}": chain(s["alphas"], k) for k in KS}}
+        out.setdefault("moments", {})[name] = s["moments"].tolist()
         for k in args.online_k:
             if args.online_sampled:  # at --temperature, against own plain decoding's sampled run
                 o = run_engine(head_engine, row["prompt"], args.max_new_tokens, args.seed, sampling,
@@ -114,7 +132,8 @@ def summarize(rows: list[dict]) -> dict:
                 keys = rs[0]["heads"][head].keys()
                 return {k: mean(float(r["heads"][head][k]) for r in rs) for k in keys} | {"prompts": len(rs)}
             kinds = {k: means([r for r in of_set if r["kind"] == k]) for k in dict.fromkeys(r["kind"] for r in of_set)}
-            out[f"{set_name} | {head}"] = {"all": means(of_set), "kinds": kinds}
+            fit = acceptance_fit(torch.tensor([r["moments"][head] for r in of_set]).sum(0))
+            out[f"{set_name} | {head}"] = {"all": means(of_set), "kinds": kinds, "acceptance_fit": fit}
     return out
 
 
@@ -125,7 +144,8 @@ def table(summary: dict, online_k: list[int], temperature: float, online_sampled
     lines = ["| set / head | prompts | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
     for name, s in summary.items():
         lines.append(f"| {name} | {s['all']['prompts']} | " + " | ".join(f"{s['all'][c]:.3f}" for c in cols) + " |")
-    return "\n".join(lines)
+    fits = [f"{name}: {s['acceptance_fit'][0]:.3f} + {s['acceptance_fit'][1]:.3f} q(x)" for name, s in summary.items()]
+    return "\n".join(lines + [f"chance that a token drawn at temperature {temperature:g} is accepted: " + "; ".join(fits)])
 
 
 def main(argv=None) -> int:

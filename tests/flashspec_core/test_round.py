@@ -269,3 +269,22 @@ def test_the_head_ends_its_chains_by_its_measured_costs_once_it_has_them(target,
         round_.start(rows, T1, gen, arms=list(round_.drafters))
         lengths.append(len(round_.run(rows, drafter, 6, T1, gen).draft))
     assert lengths == [6, 1]
+
+
+def test_a_sampled_chain_reads_a_flat_draws_chance_of_acceptance_above_its_probability(target, head):
+    """A token drawn from a flat q is accepted with min(1, p/q), far more often than q(x): the sampled chain grows
+    where a greedy chain with the same probability of its token ends (`SAMPLED_ACCEPTANCE`), and ends where even
+    that chance does not pay for a step."""
+    drafter = fresh_round(target, head).drafters["draft_head"]
+    costs = CostModel()
+    for n in range(1, 10):
+        costs.observe(n, 0.007 + 0.0002 * (n - 1))
+    drafter.costs, drafter.step_s = costs, 0.0002
+    V = 64
+    logits = torch.full((1, V), -10.0)
+    logits[0, :20] = 0.0  # 20 equal tokens: probability 0.05 each
+    q, index = logits.softmax(-1), torch.tensor([3])
+    assert not drafter._ends(index, q, logits, [])  # sampled: ~0.38 a token, one more pays
+    assert drafter._ends(index, None, logits, [])  # greedy: 0.05, it does not
+    drafter.step_s = 0.01
+    assert drafter._ends(index, q, logits, [])  # a step costing more than a forward: no chance pays for it
