@@ -2,11 +2,13 @@
 target's shape (no weights needed), bfloat16, a static KV cache at a large batch: generate() with its own
 multinomial sampling, eager and compiled, or (--rows) the data's own path, `head_data.generate` (one call for
 mixed temperatures, Gumbel-max per row, compiled; or `--cache continuous`: transformers' continuous batching, one
-call per temperature). `--attention grouped` (the data's choice) decodes with
+call per temperature; or `--cache slots`: `slot_decode`, rows refilled from a ring cache, its step a CUDA graph).
+`--attention grouped` (the data's choice) decodes with
 `flashspec_core.grouped_attention`, `sdpa` with transformers' own (key/value heads repeated). Random weights never end an answer early, so every new token
 counts. Prints new tokens per second; numbers, not assertions.
 
-    python -m benchmarks.gen_probe [--batch 2048] [--width 128] [--new 128] [--rows [--cache static|continuous]] [--attention grouped|sdpa]
+    python -m benchmarks.gen_probe [--batch 2048] [--width 128] [--new 128] [--rows [--cache static|continuous|slots]
+        [--prompts N]] [--attention grouped|sdpa]
 """
 from __future__ import annotations
 
@@ -51,15 +53,15 @@ class _Ids:
         return {"input_ids": [list(t) for t in texts]}
 
 
-def timed_rows(model, batch: int, width: int, new: int, cache: str) -> dict:
+def timed_rows(model, batch: int, width: int, new: int, cache: str, prompts: int) -> dict:
     from flashspec_core.head_data import generate
 
     model.generation_config.disable_compile = False
     model.generation_config.eos_token_id = 2
     g = torch.Generator().manual_seed(0)
     texts = [torch.randint(3, 49152, (int(torch.randint(20, width, (1,), generator=g)),), generator=g).tolist()
-             for _ in range(batch)]
-    temps = [(0.0, 0.7, 1.0)[i % 3] for i in range(batch)]
+             for _ in range(prompts or batch)]
+    temps = [(0.0, 0.7, 1.0)[i % 3] for i in range(len(texts))]
     out = {}
     for name in ("first", "second"):
         torch.cuda.synchronize()
@@ -77,15 +79,17 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rows", action="store_true", help="time head_data.generate (mixed temperatures) instead")
+    ap.add_argument("--prompts", type=int, default=0, help="with --rows: prompts in all (0 = --batch)")
     ap.add_argument("--attention", choices=("grouped", "sdpa"), default="grouped")
-    ap.add_argument("--cache", choices=("static", "continuous"), default="static",
-                    help="with --rows: head_data's static shapes, or continuous batching (generate_batch)")
+    ap.add_argument("--cache", choices=("static", "continuous", "slots"), default="static",
+                    help="with --rows: head_data's static shapes, continuous batching (generate_batch) or slot_decode")
     args = ap.parse_args(argv)
     model = model_like_smollm2()
     if args.attention == "grouped":
         use_grouped_attention(model)
     if args.rows:
-        rows = {f"head_data.generate, {args.cache}": timed_rows(model, args.batch, args.width, args.new, args.cache)}
+        rows = {f"head_data.generate, {args.cache}": timed_rows(model, args.batch, args.width, args.new, args.cache,
+                                                                      args.prompts)}
     else:
         rows = {mode: timed(model, args.batch, args.width, args.new, mode == "compiled") for mode in ("eager", "compiled")}
     print(json.dumps({"gpu": torch.cuda.get_device_name(), **vars(args), **rows}, indent=1))

@@ -45,7 +45,7 @@ class TrainConfig:
     follow_ups: int = 12000  # second turns on greedy first answers
     max_new_tokens: int = 256  # per answer
     gen_batch: int = 2048  # rows per generate() call (fewer for long prompts)
-    gen_cache: str = "static"  # the generating copy's KV cache (head_data.CACHES): static shapes, or continuous batching
+    gen_cache: str = "slots"  # how the generating copy decodes (head_data.CACHES): rows refilled from a ring cache
     gen_compile: bool = False  # let generate() compile the static decode step on CUDA (one compile per shape)
     sampled_fraction: float = 0.5  # prompts that also get a sampled answer (half at temperature 0.7, half at 1)
     round_answers: int = 49152  # answers made in one pass (all temperatures at once), then saved as shards

@@ -357,6 +357,58 @@ def test_continuous_batching_answers_as_the_batched_path_does(tiny):
         generate(model, tokenizer, texts, 8, 0.0, 4, cache="paged")
 
 
+def test_slot_decoding_answers_as_the_batched_path_does(tiny):
+    """Rows refilled from a ring cache (`slot_decode`), fewer rows than prompts so that rows take new prompts
+    mid-run: greedy answers equal the length-batched path's token for token (prompts of several lengths, one past the
+    narrowest width); sampled answers are cut at the end of turn or the cap; a prompt wider than every width gets
+    none, as on the static path."""
+    from flashspec_core.head_data import WIDTHS, end_of_turn, generate
+
+    model, tokenizer = tiny
+    before, after = chat_prefix(tokenizer)
+    texts = [before + "Tell me about rivers" + " and lakes" * (2 * i * i) + f", number {i}." + after for i in range(7)]
+    texts += [before + "word " * (WIDTHS[-1] + 5) + after]
+    assert len(tokenizer(texts[4])["input_ids"]) <= WIDTHS[0] < len(tokenizer(texts[5])["input_ids"]) <= WIDTHS[1]
+    temps = [0.0, 1.0, 0.0, 0.7, 0.0, 1.0, 0.0, 0.0]
+    calls = []
+    slots = generate(model, tokenizer, texts, 12, temps, 2, cache="slots", calls=calls)
+    plain = generate(model, tokenizer, texts[:7], 12, 0.0, 4, cache="dynamic")
+    assert [slots[i] for i in (0, 2, 4, 6)] == [plain[i] for i in (0, 2, 4, 6)]
+    assert slots[7] == []
+    eos = end_of_turn(model)
+    for a in slots[:7]:
+        assert 0 < len(a) <= 12 and all(t not in eos for t in a[:-1]) and (len(a) == 12 or a[-1] in eos)
+    assert [c["rows"] for c in calls] == [5, 2] and sum(c["new"] for c in calls) == sum(map(len, slots))
+    from flashspec_core.slot_decode import SlotDecoder
+
+    enc = tokenizer(texts[4::-1], add_special_tokens=False)["input_ids"]  # longest first: a row's next prompt is
+    dec = SlotDecoder(model, 2, WIDTHS[0] + 12, eos, 12)  # shorter than its last; two rows, three refills mid-run
+    assert dec.answer(enc, [0.0] * 5) == plain[4::-1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_slot_decoding_replays_its_step_from_a_cuda_graph_with_the_same_answers():
+    """On CUDA the slot decoder's step is one captured graph: a random model's greedy answers (40 prompts of 5-119
+    tokens through 8 rows, so rows are refilled between replays) equal the length-batched path's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flashspec_core.head_data import generate
+
+    class Ids:  # a tokenizer stand-in: each text is already its ids
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [list(t) for t in texts]}
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                         num_attention_heads=6, num_key_value_heads=2, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(config).to("cuda").eval()
+    model.generation_config.eos_token_id = 2
+    g = torch.Generator().manual_seed(1)
+    texts = [torch.randint(3, 512, (int(torch.randint(5, 120, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(40)]
+    assert generate(model, Ids(), texts, 24, 0.0, 8, cache="slots") == generate(model, Ids(), texts, 24, 0.0, 8)
+
+
 def test_step_profile_logs_the_ops_of_the_profiled_steps():
     from flashspec_core.train_head import StepProfile
 
