@@ -67,7 +67,7 @@ class SlotDecoder:
                                                attn_mask=mask)  # a group's query heads share one key/value head
             x = x + layer.self_attn.o_proj(a.reshape(B, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        token = self._pick(self.model.lm_head(inner.norm(x[:, -1])))
+        token = self._pick(self.model.lm_head(inner.norm(x[:, -1])), self.temps)
         live = ~self.done
         at = self.n.clamp(max=self.max_new - 1)[:, None]
         self.out.scatter_(1, at, torch.where(live, token, self.out.gather(1, at)[:, 0])[:, None])
@@ -87,10 +87,12 @@ class SlotDecoder:
         q, k = self.rope(q, k, cos, sin)
         return q, k, v
 
-    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _pick(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+        """Each row's token: its argmax at temperature 0, else a draw at its temperature (Gumbel-max)."""
         from flashspec_core.head_data import RowTemperature
 
-        return RowTemperature(self.temps)(None, logits).argmax(dim=-1)
+        return RowTemperature(temps)(None, logits).argmax(dim=-1)
 
     def step(self) -> None:
         """`_step`, replayed from a CUDA graph on a GPU (captured at the first call)."""
@@ -126,7 +128,7 @@ class SlotDecoder:
         self.temps[idx] = torch.tensor(temps, device=dev, dtype=self.temps.dtype)
         self.seen[idx] = False
         self.seen[idx[:, None], cols[None, :]] = j[None, :] >= pad[:, None]
-        first = self._pick_rows(logits, idx)
+        first = self._pick(logits, self.temps[idx])
         self.out[idx] = 0
         self.out[idx, 0] = first
         self.n[idx] = 1
@@ -146,11 +148,6 @@ class SlotDecoder:
             x = x + layer.self_attn.o_proj(a.transpose(1, 2).reshape(*x.shape[:2], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(inner.norm(x[:, -1]))
-
-    def _pick_rows(self, logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        from flashspec_core.head_data import RowTemperature
-
-        return RowTemperature(self.temps[idx])(None, logits).argmax(dim=-1)
 
     # -- a whole list of prompts ----------------------------------------------------------------------------------
     @torch.inference_mode()
