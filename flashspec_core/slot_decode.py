@@ -28,11 +28,13 @@ class SlotDecoder:
     def __init__(self, model, rows: int, width: int, eos: set[int], max_new: int, graphs: bool | None = None):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+        from flashspec_core.fast_path import head_size
+
         self.model, self.rows, self.W, self.max_new = model, rows, width, max_new
         self.rope = apply_rotary_pos_emb
         inner = model.model
         cfg = model.config
-        self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.D = head_size(cfg)
         self.Hkv, self.G = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
         dev, dt = model.device, inner.embed_tokens.weight.dtype
         shape = (len(inner.layers), rows, self.Hkv, width, self.D)
@@ -114,15 +116,15 @@ class SlotDecoder:
     def fill(self, rows: list[int], prompts: list[list[int]], temps: list[float]) -> None:
         """Rows `rows` start on `prompts` (each at most W - max_new tokens): a forward over the prompts alone writes
         their keys into the columns before `col`, and draws each answer's first token."""
-        dev, n, T = self.tokens.device, len(rows), max(map(len, prompts))
+        dev, T = self.tokens.device, max(map(len, prompts))
         if T + self.max_new > self.W:
             raise ValueError(f"a prompt of {T} tokens and {self.max_new} new ones do not fit {self.W} columns")
         pad = torch.tensor([T - len(p) for p in prompts], device=dev)
         ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts], device=dev)
-        pos = (torch.arange(T, device=dev)[None, :] - pad[:, None]).clamp(min=0)
-        idx = torch.tensor(rows, device=dev)
-        cols = (self.col - T + torch.arange(T, device=dev)) % self.W
         j = torch.arange(T, device=dev)
+        pos = (j[None, :] - pad[:, None]).clamp(min=0)
+        idx = torch.tensor(rows, device=dev)
+        cols = (self.col - T + j) % self.W
         causal = (j[None, :] <= j[:, None]) & ((j[None, None, :] >= pad[:, None, None]) | (j[None, :] == j[:, None]))
         logits = self._prefill(ids, pos, causal[:, None], idx, cols)
         self.temps[idx] = torch.tensor(temps, device=dev, dtype=self.temps.dtype)
