@@ -78,7 +78,7 @@ def acceptance_moments(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     a ~ c0 + c1 q(x) (`acceptance_fit`), the head's own probability of a draw read as its chance of acceptance."""
     a = torch.where(q > 0, (p / q.clamp(min=1e-30)).clamp(max=1.0), torch.zeros_like(q)).double()
     q = q.double()
-    return torch.stack([q.sum(), (q * q).sum(), (q ** 3).sum(), (q * a).sum(), (q * q * a).sum()])
+    return torch.stack([q.sum(), (q * q).sum(), (q ** 3).sum(), (q * a).sum(), (q * q * a).sum()]).cpu()
 
 
 def acceptance_fit(m) -> tuple[float, float]:
