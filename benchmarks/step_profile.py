@@ -1,7 +1,8 @@
 """Where one forward of the embedded target goes on the CPU: whole-forward times by token count, then a profile of
-a 1-token step and an 8-token verify by kind of op (products, LM head, attention, norms, rotary, cache writes, ...).
+a 1-token step and an 8-token verify by kind of op (products, LM head, attention, norms, rotary, cache writes, ...),
+and a prompt's prefill into the empty cache (--prefill token counts).
 
-    python -m benchmarks.step_profile [--precision gguf|float32] [--context 300] [--reps 30]
+    python -m benchmarks.step_profile [--precision gguf|float32] [--context 300] [--reps 30] [--prefill 48 128]
 
 Each time is the median over --reps forwards from the same cache length (cropped back before each), random ids,
 the token counts taking turns call by call.
@@ -53,6 +54,20 @@ def time_forwards(lm, context: int, reps: int) -> dict[int, float]:
     return {T: median(ts[2:]) for T, ts in times.items()}
 
 
+def time_prefills(lm, lengths: list[int], reps: int) -> dict[int, float]:
+    """{P: median ms of a P-token prompt's forward into the empty cache (the last position's logits, as a stream's
+    start keeps)}, the lengths interleaved call by call."""
+    ids = {P: torch.randint(0, lm.vocab_size, (1, P)) for P in lengths}
+    times = {P: [] for P in lengths}
+    for _ in range(reps + 2):
+        for P in lengths:
+            lm.crop(0)
+            t0 = time.perf_counter()
+            lm.forward(ids[P], logits_to_keep=1)
+            times[P].append(1e3 * (time.perf_counter() - t0))
+    return {P: median(ts[2:]) for P, ts in times.items()}
+
+
 def profile_forward(lm, context: int, T: int, reps: int) -> dict:
     """{kind: ms per forward} by the ops' own CPU time, plus the wall time per forward and what no op accounts for."""
     ids = torch.randint(0, lm.vocab_size, (1, T))
@@ -81,6 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", choices=("gguf", "float32"), default="gguf")
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[48, 128], help="prompt lengths to time a prefill of")
     ap.add_argument("--tag", default="", help="a suffix for the result file")
     args = ap.parse_args(argv)
 
@@ -91,9 +107,11 @@ def main(argv=None) -> int:
     lm.forward(torch.randint(0, lm.vocab_size, (1, args.context)))
     times = time_forwards(lm, args.context, args.reps)
     profiles = {T: profile_forward(lm, args.context, T, args.reps) for T in (1, 8)}
+    prefills = time_prefills(lm, args.prefill, max(4, args.reps // 3))  # last: it empties the cache
     payload = {"command": "python -m benchmarks.step_profile " + " ".join(sys.argv[1:] if argv is None else argv),
                "env": environment(), "path": lm.path, "context": args.context, "reps": args.reps,
-               "forward_ms": times, "x_one_token": {T: ms / times[1] for T, ms in times.items()}, "profiles": profiles}
+               "forward_ms": times, "x_one_token": {T: ms / times[1] for T, ms in times.items()},
+               "prefill_ms": prefills, "profiles": profiles}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"step_profile_cpu_{args.precision}{'_' + args.tag if args.tag else ''}.json"
     out.write_text(json.dumps(payload, indent=2))
@@ -105,6 +123,8 @@ def main(argv=None) -> int:
     print("|---|" + "---:|" * len(TOKENS))
     print("| ms | " + " | ".join(f"{times[T]:.2f}" for T in TOKENS) + " |")
     print("| x 1 token | " + " | ".join(f"{times[T] / times[1]:.2f}" for T in TOKENS) + " |")
+    if prefills:
+        print("prefill into the empty cache: " + ", ".join(f"{P} tokens {ms:.2f} ms" for P, ms in prefills.items()))
     for T, p in profiles.items():
         print()
         print(f"{T} token(s): {p['wall_ms_profiled']:.2f} ms a forward under the profiler, {p['op_calls']:.0f} op calls, "
