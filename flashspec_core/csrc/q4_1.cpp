@@ -129,7 +129,8 @@ Activations pair_norm_quantize(const at::Tensor& e, const at::Tensor& we, const 
                                double eps) {
   const int64_t K = e.size(1);
   Activations a(e.size(0), 2 * K);
-  const float *es = e.data_ptr<float>(), *hs = h.data_ptr<float>(), *wes = we.data_ptr<float>(), *whs = wh.data_ptr<float>();
+  const float *es = e.data_ptr<float>(), *hs = h.data_ptr<float>();
+  const float *wes = we.data_ptr<float>(), *whs = wh.data_ptr<float>();
   rows_parallel(a.T, [&](int64_t t0, int64_t t1) {
     std::vector<float> normed(2 * K);
     for (int64_t t = t0; t < t1; ++t) {
