@@ -40,32 +40,19 @@ def kind(op: str) -> str:
     return next((k for frag, k in KINDS.items() if frag in op), "other")
 
 
-def time_forwards(lm, context: int, reps: int) -> dict[int, float]:
-    """{T: median ms of one forward of T random tokens after `context` tokens}, the token counts interleaved call by
-    call, so that a slow spell of a shared machine lands on all of them alike."""
-    ids = {T: torch.randint(0, lm.vocab_size, (1, T)) for T in TOKENS}
-    times = {T: [] for T in TOKENS}
+def time_forwards(lm, context: int, counts, reps: int, keep: int = 0) -> dict[int, float]:
+    """{T: median ms of one forward of T random tokens after `context` tokens (0: a prompt's prefill into the empty
+    cache), logits for the last `keep` (0 = all)}, the token counts interleaved call by call, so that a slow spell of a
+    shared machine lands on all of them alike."""
+    ids = {T: torch.randint(0, lm.vocab_size, (1, T)) for T in counts}
+    times = {T: [] for T in counts}
     for _ in range(reps + 2):  # two warm-up rounds
-        for T in TOKENS:
+        for T in counts:
             lm.crop(context)
             t0 = time.perf_counter()
-            lm.forward(ids[T])
+            lm.forward(ids[T], logits_to_keep=keep)
             times[T].append(1e3 * (time.perf_counter() - t0))
     return {T: median(ts[2:]) for T, ts in times.items()}
-
-
-def time_prefills(lm, lengths: list[int], reps: int) -> dict[int, float]:
-    """{P: median ms of a P-token prompt's forward into the empty cache (the last position's logits, as a stream's
-    start keeps)}, the lengths interleaved call by call."""
-    ids = {P: torch.randint(0, lm.vocab_size, (1, P)) for P in lengths}
-    times = {P: [] for P in lengths}
-    for _ in range(reps + 2):
-        for P in lengths:
-            lm.crop(0)
-            t0 = time.perf_counter()
-            lm.forward(ids[P], logits_to_keep=1)
-            times[P].append(1e3 * (time.perf_counter() - t0))
-    return {P: median(ts[2:]) for P, ts in times.items()}
 
 
 def profile_forward(lm, context: int, T: int, reps: int) -> dict:
@@ -105,9 +92,9 @@ def main(argv=None) -> int:
     lm = StaticCausalLM(model, max_len=1024, gguf=gguf)
     torch.manual_seed(0)
     lm.forward(torch.randint(0, lm.vocab_size, (1, args.context)))
-    times = time_forwards(lm, args.context, args.reps)
+    times = time_forwards(lm, args.context, TOKENS, args.reps)
     profiles = {T: profile_forward(lm, args.context, T, args.reps) for T in (1, 8)}
-    prefills = time_prefills(lm, args.prefill, max(4, args.reps // 3))  # last: it empties the cache
+    prefills = time_forwards(lm, 0, args.prefill, max(4, args.reps // 3), keep=1)  # last: it empties the cache
     payload = {"command": "python -m benchmarks.step_profile " + " ".join(sys.argv[1:] if argv is None else argv),
                "env": environment(), "path": lm.path, "context": args.context, "reps": args.reps,
                "forward_ms": times, "x_one_token": {T: ms / times[1] for T, ms in times.items()},
