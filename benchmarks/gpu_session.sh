@@ -80,8 +80,10 @@ watch_run() {  # follow /root/train.log until the run ends or $1 seconds pass
   kill -0 "$(cat /root/train.pid)" 2>/dev/null && echo "still running" && return 1
   echo "run ended"; tail -25 /root/train.log; return 0
 }
-bring_back() {  # the checkpoint folder (weights, AdamW moments, meta), one level down in $OUT (files under 15 MB each)
-  mkdir -p "$OUT/ckpt" && cp /root/ckpt/head-*.safetensors /root/ckpt/opt-*.safetensors /root/ckpt/meta.json "$OUT/ckpt/"
+bring_back() {  # the checkpoint folder (weights, AdamW moments, meta), one level down in $OUT (files under 15 MB each);
+  # NO_OPT=1 leaves the moments behind (a wider head's would pass the 8 files / 64 MiB a call brings back)
+  mkdir -p "$OUT/ckpt" && cp /root/ckpt/head-*.safetensors /root/ckpt/meta.json "$OUT/ckpt/"
+  [ "${NO_OPT:-}" = 1 ] || cp /root/ckpt/opt-*.safetensors "$OUT/ckpt/"
   ls -la "$OUT/ckpt"
 }
 case "$phase" in
