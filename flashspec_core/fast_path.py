@@ -118,6 +118,17 @@ def fast_or_eager(model, vocab_size: int | None = None, mode: str = "auto", max_
 # The model
 
 
+def joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Chunks' outputs [B, t_i, ...] as one contiguous [B, sum t_i, ...] (a lone contiguous chunk: no copy)."""
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def fresh_logits(logits: torch.Tensor, shared: bool) -> torch.Tensor:
+    """float32 logits the caller owns: a copy of a graph's buffer (`shared`, overwritten by its next replay), else
+    the eager forward's own tensor (contiguous)."""
+    return logits.to(torch.float32, copy=True) if shared else logits.to(torch.float32).contiguous()
+
+
 def padded(T: int) -> int:
     """The tokens a prompt of T prefills as on `StaticCausalLM.prefill_graphs`: the next power of two, >= 16."""
     return max(PREFILL_MIN, 1 << (T - 1).bit_length())
@@ -443,23 +454,24 @@ class StaticCausalLM:
         start = self.length
         self.bucket(start + T)  # raises when the cache cannot take them
         keep = T if logits_to_keep <= 0 else min(logits_to_keep, T)
+        shared = True  # logits in a graph's own buffer (a replay, or a view of a padded prompt's)
         if start == 0 and padded(T) <= self.prefill_limit:
             logits, self.aux = self._prefill_padded(ids, keep)
         elif self.use_graphs and T <= self.max_graph_tokens and start > 0:
             out, self.aux = self._replay(ids, start)
-            logits = out[:, T - keep:]  # the graph's own buffer: converted below into a fresh tensor
+            logits = out[:, T - keep:]
         else:
-            chunks = []
+            chunks, shared = [], False
             for c0 in range(0, T, self.prefill_chunk):
                 c1 = min(T, c0 + self.prefill_chunk)
                 rows = max(0, min(c1 - c0, keep - (T - c1)))  # of this chunk's rows, those among the last keep
                 chunks.append(self._forward(ids[:, c0:c1], self.slots[start + c0:start + c1],
                                             self.bucket(start + c1), rows))
-            logits = torch.cat([c[0] for c in chunks], dim=1)
-            self.aux = torch.cat([c[1] for c in chunks], dim=1) if self.aux_layers else None
+            logits, self.aux = joined([c[0] for c in chunks]), joined([c[1] for c in chunks]) if self.aux_layers \
+                else None
         self.length += T
         self.forwards += 1
-        return logits[..., : self.vocab_size].to(torch.float32, copy=True)
+        return fresh_logits(logits[..., : self.vocab_size], shared)
 
     def _replay(self, ids: torch.Tensor, start: int):
         """ids [B, T] at cache slots start.. as the replay of the (T, S) graph (captured the first time; CPU: eager):
@@ -532,7 +544,8 @@ class StaticCausalLM:
             logits, self.aux = self._layers(ids, rope, self.slots[start:start + T], mask, S, keep, paths)
         self.length += T
         self.forwards += 1
-        return logits[..., : self.vocab_size].to(torch.float32, copy=True)
+        return fresh_logits(logits[..., : self.vocab_size], shared=self.use_graphs and T <= self.max_graph_tokens
+                            and start > 0)
 
     def forward_tree_at(self, ids: torch.Tensor, tree, start: torch.Tensor, S: int):
         """`forward_tree` inside a captured round: a `TensorTree`'s slots at cache slots start + s (start [1] on the
