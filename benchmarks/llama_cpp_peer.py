@@ -8,6 +8,10 @@ Runs in its own interpreter, the one that has llama-cpp-python (it is not in req
     echo '{"gguf": "...", "threads": 2, "runs": [{"ids": [1, 2], "max_new_tokens": 96}]}' | \\
         /tmp/llama-venv/bin/python benchmarks/llama_cpp_peer.py
 
+On a CPU with AMX (an Intel Xeon here) the default native build segfaulted in its first decode; built without
+its AMX code it runs: CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" before pip.
+
 Reads one JSON request on stdin, writes one JSON answer on stdout. Imports neither torch nor flashspec.
 """
 from __future__ import annotations
