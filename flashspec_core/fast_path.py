@@ -467,8 +467,8 @@ class StaticCausalLM:
                 rows = max(0, min(c1 - c0, keep - (T - c1)))  # of this chunk's rows, those among the last keep
                 chunks.append(self._forward(ids[:, c0:c1], self.slots[start + c0:start + c1],
                                             self.bucket(start + c1), rows))
-            logits, self.aux = joined([c[0] for c in chunks]), joined([c[1] for c in chunks]) if self.aux_layers \
-                else None
+            logits = joined([c[0] for c in chunks])
+            self.aux = joined([c[1] for c in chunks]) if self.aux_layers else None
         self.length += T
         self.forwards += 1
         return fresh_logits(logits[..., : self.vocab_size], shared)
@@ -533,7 +533,8 @@ class StaticCausalLM:
         S = self.bucket(start + T)
         rope = tree.position_ids(start).to(self.device)  # [T] rotary positions: start + depth
         mask, paths = self._tree_reads(tree, start, rope, S)
-        if self.use_graphs and T <= self.max_graph_tokens and start > 0:
+        graphed = self.use_graphs and T <= self.max_graph_tokens and start > 0  # logits in the graph's own buffer
+        if graphed:
             self.static_ids[:, :T].copy_(ids)
             self.static_pos[:T].copy_(self.slots[start:start + T])
             self.static_rope[:T].copy_(rope)
@@ -544,8 +545,7 @@ class StaticCausalLM:
             logits, self.aux = self._layers(ids, rope, self.slots[start:start + T], mask, S, keep, paths)
         self.length += T
         self.forwards += 1
-        return fresh_logits(logits[..., : self.vocab_size], shared=self.use_graphs and T <= self.max_graph_tokens
-                            and start > 0)
+        return fresh_logits(logits[..., : self.vocab_size], graphed)
 
     def forward_tree_at(self, ids: torch.Tensor, tree, start: torch.Tensor, S: int):
         """`forward_tree` inside a captured round: a `TensorTree`'s slots at cache slots start + s (start [1] on the
