@@ -330,7 +330,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--compile-tokens", type=int, nargs="*", default=[1], help="token counts also compiled")
     ap.add_argument("--layer-ops", nargs="*", default=["torch"],
-                    choices=["torch", "triton", "fused", *(f"fused:{k}" for k in layer_ops.KINDS)],
+                    choices=["torch", "triton", "folded", "fused", *(f"fused:{k}" for k in layer_ops.KINDS)],
                     help="the step under each choice (none: no step rows; fused:KIND, the products of that GEMV kind)")
     ap.add_argument("--tag", default="", help="a suffix for the results file")
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES),

@@ -329,12 +329,12 @@ class DraftHead(nn.Module):
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
         """Whether the captured step, the logits' norm and a captured tree's levels (`kernels.tree_level`) run Triton
-        kernels (`kernels.layer_ops`' for the step; "auto": as the target chooses, `layer_ops.auto`; "fused" runs the
-        same small kernels here, the products stay torch's)."""
+        kernels (`kernels.layer_ops`' for the step; "auto": as the target chooses, `layer_ops.auto`; "folded" and
+        "fused" run the same small kernels here, the head's own norms and products as they are)."""
         cfg = self.cfg
         ops = self.layer_ops if self.layer_ops != "auto" else \
             layer_ops.auto(x.device, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        return ops in ("triton", "fused")
+        return ops in ("triton", "folded", "fused")
 
     def _step_kernels(self, cache: "HeadCache", tokens: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor,
                       rope: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

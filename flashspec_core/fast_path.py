@@ -250,7 +250,8 @@ class StaticCausalLM:
         if self.gguf:
             return "static (GGUF Q4_1 weights, bfloat16 activations)"
         path = "static+graphs" if self.use_graphs else f"static ({'columns GEMMs, ' if self.columns else ''}no CUDA graphs)"
-        ops = {"triton": ", Triton layer ops", "fused": ", Triton layer ops with fused GEMV products"}
+        ops = {"triton": ", Triton layer ops", "folded": ", Triton layer ops with the norms folded into the products",
+               "fused": ", Triton layer ops with fused GEMV products"}
         return path + ops.get(self.layer_ops, "")
 
     def _take_weights(self, model, gguf: GGUFFile | None) -> None:
@@ -277,7 +278,7 @@ class StaticCausalLM:
                 else:  # Q8_0 blocks -> one scale per row: 1.1 ms, bf16 2.7-4.3
                     self.lm_head = int8_rows(self.lm_head)
         else:
-            self.layers = [_Layer(layer, self.fuse) for layer in model.model.layers]
+            self.layers = [_Layer(layer, self.fuse, fold=self.layer_ops == "folded") for layer in model.model.layers]
         with torch.no_grad():
             self.slots = torch.arange(self.capacity, device=self.device)  # positions 0..capacity-1, int64
             # [capacity, D] in the activations' dtype; float32 for the native loop, which rotates in float32
@@ -311,31 +312,41 @@ class StaticCausalLM:
 
     def _pick_ops(self, layer_ops: str) -> str:
         """The name of the python loop's ops: "torch"; "triton", `kernels.layer_ops`' Triton kernels for the small
-        ops (rotary and the cache write, attention, SiLU * up, RMSNorm) beside cuBLAS's products; "fused", those
-        kernels with the products as GEMV kernels that take in the norms, SiLU * up and the residual adds
-        (`_fused_layers`; fused q/k/v and gate/up weights, no biases). Kernels: CUDA, not the GGUF path. "auto":
-        the Triton kernels on CUDA where they take the model's heads, else torch; the environment's
-        FLASHSPEC_LAYER_OPS=torch|triton|fused overrides it (A/B)."""
+        ops (rotary and the cache write, attention, SiLU * up, RMSNorm) beside cuBLAS's products; "folded", those
+        kernels with the two norms of a layer folded into the q/k/v and gate/up products (their weights times the
+        norm's, the products over the raw residual stream, each row's 1 / rms applied by the rotary and SiLU
+        kernels: two kernels fewer a layer; fused weights, no q/k/v or gate/up biases); "fused", the kernels with
+        the products as GEMV kernels that take in the norms, SiLU * up and the residual adds (`_fused_layers`;
+        fused weights, no biases). Kernels: CUDA, not the GGUF path. "auto": on CUDA, "folded" where the model
+        allows it, else "triton" where the kernels take its heads, else torch; the environment's
+        FLASHSPEC_LAYER_OPS=torch|triton|folded|fused overrides it (A/B)."""
         config = self.config
         if layer_ops == "auto":  # on CUDA, so never the GGUF path (CPU only)
             layer_ops = layer_ops_kernels.auto(self.device, config.num_attention_heads, config.num_key_value_heads,
                                                head_size(config))
+            if layer_ops == "folded" and (self._biased(in_products=True) or not self.fuse):
+                layer_ops = "triton"
         if layer_ops not in LAYER_OPS:
             raise ValueError(f"unknown layer_ops {layer_ops!r}; expected one of {list(LAYER_OPS)}")
-        if layer_ops in ("triton", "fused"):
+        if layer_ops in ("triton", "folded", "fused"):
             on = self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
             if not (on and layer_ops_kernels.triton is not None and not self.gguf):
                 raise ValueError(f"layer_ops={layer_ops!r} needs CUDA (or TRITON_INTERPRET=1), triton and a model "
                                  "that is not on the GGUF path")
-        if layer_ops == "fused":
-            biased = [name for name, m in self.model.named_modules() if getattr(m, "bias", None) is not None
-                      and isinstance(m, torch.nn.Linear)]
+        if layer_ops in ("folded", "fused"):
+            biased = self._biased(in_products=layer_ops == "folded")
             if biased or not self.fuse:
-                raise ValueError(f"layer_ops='fused' runs its products on the fused q/k/v and gate/up weights "
+                raise ValueError(f"layer_ops={layer_ops!r} runs its products on the fused q/k/v and gate/up weights "
                                  f"without biases; this model has {'fuse=False' if not self.fuse else 'biases'} "
                                  f"({', '.join(biased[:3])}{', ...' if len(biased) > 3 else ''}): use "
                                  f"layer_ops='triton'")
         return layer_ops
+
+    def _biased(self, in_products: bool) -> list[str]:
+        """The linear layers with a bias (in_products: only q/k/v, gate and up, the products a norm feeds)."""
+        fed = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+        return [name for name, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)
+                and getattr(m, "bias", None) is not None and (not in_products or name.endswith(fed))]
 
     def _make_loop(self):
         """f(x, cos, sin, pos, mask, S, shape, aux_layers) -> (x, aux list) running every layer (see `_layers`), or
@@ -758,20 +769,24 @@ class StaticCausalLM:
         math = self._math(T)
         if self.layer_ops == "fused":
             return self._fused_layers(x, cos, sin, pos, (mask, paths), S, keep, math, (B, T, H, KV, D))
-        columns = self.columns
+        columns, folded = self.columns, self.layer_ops == "folded"
         aux = {}  # layer -> the residual stream entering it
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux[i] = x.clone()
-            h = self._rms_norm(x, layer.input_norm)
+            # folded: the products run over x itself and the kernels after them scale each row by its 1 / rms
+            norm = {"rows": x, "eps": self.eps} if folded else {}
+            h = x if folded else self._rms_norm(x, layer.input_norm)
             # q, k, v heads side by side; HF's q * cos + rotate_half(q) * sin (sin carries the sign), k and v into
             # the cache at pos, q as [B, KV, R*T, D]
-            q = self.ops.rope_and_cache(layer.qkv(h, columns), cos, sin, pos, self.kv_cache[i], (B, T, H, KV, D))
+            q = self.ops.rope_and_cache(layer.qkv(h, columns), cos, sin, pos, self.kv_cache[i], (B, T, H, KV, D),
+                                        **norm)
             o = self._attend(q, self.k_cache[i][:, :, :S], self.v_cache[i][:, :, :S], (mask, paths), math,
                              (B, T, H, KV, D))
             _add_linear_(x, o, layer.o, layer.o_bias, columns)
-            h = self._rms_norm(x, layer.post_norm)
-            _add_linear_(x, self.ops.silu_mul(layer.gate_up(h, columns)), layer.down, layer.down_bias, columns)
+            h = x if folded else self._rms_norm(x, layer.post_norm)
+            _add_linear_(x, self.ops.silu_mul(layer.gate_up(h, columns), **norm), layer.down, layer.down_bias,
+                         columns)
         x = self._rms_norm(x.view(B, T, -1)[:, T - keep:], self.norm)
         return linear(x, self.lm_head, self.lm_head_bias, columns), self._stacked(aux, B, T)
 
@@ -902,6 +917,7 @@ LAYER_OPS = {"torch": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_
              "triton": SimpleNamespace(rope_and_cache=layer_ops_kernels.rope_and_cache,
                                        attention=layer_ops_kernels.attention,
                                        silu_mul=layer_ops_kernels.silu_mul, rms_norm=layer_ops_kernels.rms_norm)}
+LAYER_OPS["folded"] = LAYER_OPS["triton"]  # the same kernels; the loop passes them the rows to scale by
 LAYER_OPS["fused"] = SimpleNamespace(**vars(LAYER_OPS["triton"]), norm_linear=layer_ops_kernels.norm_linear,
                                      norm_gate_up_silu=layer_ops_kernels.norm_gate_up_silu,
                                      add_linear_=layer_ops_kernels.add_linear_)
@@ -938,9 +954,10 @@ class _Projection:
 
 class _Layer:
     """One decoder layer's parameters: the HF tensors (biases None where absent) and the q/k/v and gate/up
-    projections, fused or not."""
+    projections, fused or not. fold: the fused q/k/v and gate/up copies times the norm weight that feeds them
+    (each input column scaled, rounded once to the weights' dtype: layer_ops="folded")."""
 
-    def __init__(self, layer, fuse: bool):
+    def __init__(self, layer, fuse: bool, fold: bool = False):
         attn, mlp = layer.self_attn, layer.mlp
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
@@ -948,6 +965,10 @@ class _Layer:
         self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
         self.gate_up = _Projection((mlp.gate_proj, mlp.up_proj), fuse)
         self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+        if fold:
+            with torch.no_grad():
+                for product, norm in ((self.qkv, self.input_norm), (self.gate_up, self.post_norm)):
+                    product.weight = (product.weight.float() * norm.float()).to(product.weight.dtype)
 
     @classmethod
     def from_gguf(cls, layer, gguf: GGUFFile, i: int, native: bool = False) -> "_Layer":

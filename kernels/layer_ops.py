@@ -7,6 +7,10 @@
                                                            o laid out for the o projection: two for four (five at
                                                            T > 1)
     silu_mul(gate_up) -> silu(gate) * up                   one kernel for two
+    rope_and_cache(..., rows=x, eps=)                      the same with qkv a product over x's raw rows, each row
+                                                           first scaled by x's 1 / rms (the norm's weight folded
+                                                           into the product's: layer_ops="folded")
+    silu_mul(gate_up, rows=x, eps=)                        likewise
     rms_norm(x, weight, eps)                               HF's RMSNorm (float32, round, scale): one for two
     rms_norm_pair(a, wa, b, wb, eps)                       [rms_norm(a) | rms_norm(b)]: one for two (`a_rows=`:
                                                            side 0 from a table's rows: the head's embedding gather)
@@ -16,8 +20,8 @@
     add_linear_(x, a, weight)                              x += a @ weight.T (o, down): one for one
 
 A one-token step of a small model is bound by how many kernels it launches (about 19 a layer, ~2 us each inside a
-CUDA graph), not by its weights; the small ops take a layer to 10 (4 of them cuBLAS's products), the three GEMV
-products (layer_ops="fused") to 7. Every kernel here treats each token on its own, so in a verify of K tokens it
+CUDA graph), not by its weights; the small ops take a layer to 10 (4 of them cuBLAS's products), the norms folded
+into the products to 8 (layer_ops="folded"), the three GEMV products (layer_ops="fused") to 7. Every kernel here treats each token on its own, so in a verify of K tokens it
 computes each token as a one-token step does (cuBLAS's products are not bound to: they may pick other kernels for
 other widths; the GEMV kernels split a product by its weight's shape only). The roundings are
 the torch ops': the rotary rounds x * cos and the swapped half * sin to the activations' dtype before their sum, as
@@ -45,11 +49,24 @@ except ImportError:  # the torch references still run
 # References (what the layer loop runs without the kernels)
 
 
-def rope_and_cache_torch(qkv, cos, sin, pos, kv, shape) -> torch.Tensor:
+def scaled_rows_torch(y: torch.Tensor, x: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """y [M, N] with each row times its row of x's RMSNorm scale, 1 / sqrt(mean(x^2) + eps) in float32, rounded to
+    y's dtype: a product over x's raw rows with the norm's weight folded into its own (layer_ops="folded") made
+    the product over the normed rows. x None: y as it is."""
+    if x is None:
+        return y
+    scale = 1.0 / torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (y.float() * scale).to(y.dtype)
+
+
+def rope_and_cache_torch(qkv, cos, sin, pos, kv, shape, rows=None, eps: float = 0.0) -> torch.Tensor:
     """qkv [B*T, (H + 2 KV) * D]; cos, sin [T, D] (sin signed: rotate_half up to sign); pos [T] cache slots; kv the
     layer's cache [2, B, KV, capacity, D]; shape (B, T, H, KV, D). Rotates q and k in place, writes k and v at
-    `pos`, returns q as [B, KV, R * T, D] (row r * T + t: query head r of each kv head, token t)."""
+    `pos`, returns q as [B, KV, R * T, D] (row r * T + t: query head r of each kv head, token t). rows [B*T, hidden]:
+    qkv is a product over these raw rows, scaled first (`scaled_rows_torch`)."""
     B, T, H, KV, D = shape
+    if rows is not None:
+        qkv = scaled_rows_torch(qkv, rows, eps)
     R = H // KV
     qkv = qkv.view(B, T, H + 2 * KV, D)
     qk = qkv[:, :, :H + KV]
@@ -59,8 +76,8 @@ def rope_and_cache_torch(qkv, cos, sin, pos, kv, shape) -> torch.Tensor:
     return qkv[:, :, :H].view(B, T, KV, R, D).permute(0, 2, 3, 1, 4).reshape(B, KV, R * T, D)
 
 
-def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
+def silu_mul_torch(gate_up: torch.Tensor, rows=None, eps: float = 0.0) -> torch.Tensor:
+    gate, up = scaled_rows_torch(gate_up, rows, eps).chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 
 
@@ -137,21 +154,33 @@ if triton is not None:
         return _round(weight * _round(x * scale, dt), dt)
 
     @triton.jit
+    def _row_scale(rows_ptr, row, N, eps, BLOCK: tl.constexpr):
+        """The RMSNorm scale 1 / sqrt(mean(x^2) + eps) of row `row` of rows [M, N], in float32 (`_normed`'s)."""
+        n = tl.arange(0, BLOCK)
+        x = tl.load(rows_ptr + row * N + n, mask=n < N, other=0.0).to(tl.float32)
+        return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+
+    @triton.jit
     def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, at_ptr, at_stride, pos_ptr, kv_ptr, q_ptr, T, capacity,
-                           B: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
-                           AT: tl.constexpr):
+                           rows_ptr, N, eps, B: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
+                           AT: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr):
         """One program per (token, head) of qkv: rotate (q, k), then store into q's layout or the cache. Token t
         reads row t of cos and sin, or (AT) row at[t] of them as tables (at's elements at_stride apart: 0 for one
-        position expanded over a tree level's nodes)."""
+        position expanded over a tree level's nodes). NORM: qkv is a product over rows' raw rows, each value first
+        scaled by its row's RMSNorm scale and rounded."""
         row, head = tl.program_id(0), tl.program_id(1)
         b, t = row // T, row % T
         d = tl.arange(0, D)
         src = qkv_ptr + (row * (H + 2 * KV) + head) * D
         x = tl.load(src + d)
+        dt = x.dtype
         partner = tl.load(src + (d + D // 2) % D).to(tl.float32)
+        if NORM:
+            scale = _row_scale(rows_ptr, row, N, eps, BLOCK_N)
+            x = _round(x.to(tl.float32) * scale, dt).to(dt)
+            partner = _round(partner * scale, dt)
         r = tl.load(at_ptr + t * at_stride).to(tl.int64) if AT else t
         c, s = tl.load(cos_ptr + r * D + d).to(tl.float32), tl.load(sin_ptr + r * D + d).to(tl.float32)
-        dt = x.dtype
         turned = _round(_round(x.to(tl.float32) * c, dt) + _round(partner * s, dt), dt).to(dt)
         slot = tl.load(pos_ptr + t)
         kind = (head - H) // KV  # 0: k, 1: v (for q heads negative)
@@ -162,13 +191,20 @@ if triton is not None:
         tl.store(dst + d, tl.where(head < H + KV, turned, x))
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, I, rows_ptr, N, eps, BLOCK: tl.constexpr, NORM: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+        """silu(g) * u of a row [g | u]; NORM: g and u first scaled by rows' row's RMSNorm scale and rounded."""
         row, blk = tl.program_id(0), tl.program_id(1)
         i = blk * BLOCK + tl.arange(0, BLOCK)
         keep = i < I
         g = tl.load(gu_ptr + row * 2 * I + i, mask=keep, other=0.0)
+        dt = g.dtype
+        g = g.to(tl.float32)
         u = tl.load(gu_ptr + row * 2 * I + I + i, mask=keep, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * I + i, _silu_mul(g.to(tl.float32), u, g.dtype).to(g.dtype), mask=keep)
+        if NORM:
+            scale = _row_scale(rows_ptr, row, N, eps, BLOCK_N)
+            g, u = _round(g * scale, dt), _round(u * scale, dt)
+        tl.store(out_ptr + row * I + i, _silu_mul(g, u, dt).to(dt), mask=keep)
 
     @triton.jit
     def _norm_row(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
@@ -407,10 +443,11 @@ class GemvTiles:
 
 
 def auto(device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str:
-    """What layer_ops="auto" runs: the environment's FLASHSPEC_LAYER_OPS (torch | triton | fused, for A/B runs)
-    where set, else the kernels ("triton") on CUDA where they take these heads, else torch."""
+    """What layer_ops="auto" runs: the environment's FLASHSPEC_LAYER_OPS (torch | triton | folded | fused, for A/B
+    runs) where set, else the kernels with the norms folded into the products ("folded"; the model falls back to
+    "triton" where it cannot fold) on CUDA where they take these heads, else torch."""
     fits = device.type == "cuda" and triton is not None and supported(heads, kv_heads, head_dim)
-    return os.environ.get("FLASHSPEC_LAYER_OPS") or ("triton" if fits else "torch")
+    return os.environ.get("FLASHSPEC_LAYER_OPS") or ("folded" if fits else "torch")
 
 
 def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -451,26 +488,46 @@ def attention(q, k, v, mask, scaling: float, shape, slots=None) -> torch.Tensor:
     return o
 
 
-def rope_and_cache(qkv, cos, sin, pos, kv, shape, at: torch.Tensor | None = None) -> torch.Tensor:
+def rope_and_cache(qkv, cos, sin, pos, kv, shape, at: torch.Tensor | None = None, rows=None,
+                   eps: float = 0.0) -> torch.Tensor:
     """`rope_and_cache_torch` in one kernel (qkv is left as it was; only q's layout and the cache are written). With
     `at` [T] (any stride), cos and sin are tables [P, D] and token t rotates by their row at[t]
-    (`rope_and_cache_torch(qkv, cos[at], sin[at], ...)` without the gathers)."""
+    (`rope_and_cache_torch(qkv, cos[at], sin[at], ...)` without the gathers). rows: as the reference's (the
+    scale computed in the kernel, by each program for its token)."""
     B, T, H, KV, D = shape
     q = torch.empty(B, KV, (H // KV) * T, D, dtype=qkv.dtype, device=qkv.device)
+    rows = _norm_rows(rows, B * T)
     _rope_cache_kernel[(B * T, H + 2 * KV)](qkv.contiguous(), cos.contiguous(), sin.contiguous(),
                                             pos if at is None else at, 0 if at is None else at.stride(0), pos, kv,
-                                            q, T, kv.shape[3],
-                                            B=B, H=H, KV=KV, D=D, AT=at is not None, enable_fp_fusion=False)
+                                            q, T, kv.shape[3], qkv if rows is None else rows,
+                                            1 if rows is None else rows.shape[1], eps,
+                                            B=B, H=H, KV=KV, D=D, AT=at is not None, NORM=rows is not None,
+                                            BLOCK_N=1 if rows is None else triton.next_power_of_2(rows.shape[1]),
+                                            enable_fp_fusion=False)
     return q
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    rows, I = gate_up.shape[0], gate_up.shape[1] // 2
+def silu_mul(gate_up: torch.Tensor, rows=None, eps: float = 0.0) -> torch.Tensor:
+    """`silu_mul_torch` in one kernel (rows: as the reference's, the scale computed in the kernel)."""
+    M, I = gate_up.shape[0], gate_up.shape[1] // 2
     gate_up = gate_up.contiguous()  # a no-op for the projections' own outputs
-    out = torch.empty(rows, I, dtype=gate_up.dtype, device=gate_up.device)
-    BLOCK = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(I, BLOCK))](gate_up, out, I, BLOCK=BLOCK)
+    out = torch.empty(M, I, dtype=gate_up.dtype, device=gate_up.device)
+    rows, BLOCK = _norm_rows(rows, M), 1024
+    _silu_mul_kernel[(M, triton.cdiv(I, BLOCK))](gate_up, out, I, gate_up if rows is None else rows,
+                                                 1 if rows is None else rows.shape[1], eps, BLOCK=BLOCK,
+                                                 NORM=rows is not None,
+                                                 BLOCK_N=1 if rows is None else triton.next_power_of_2(rows.shape[1]))
     return out
+
+
+def _norm_rows(rows: torch.Tensor | None, M: int) -> torch.Tensor | None:
+    """rows [M, N] as the kernels read them (contiguous), checked against the product's M rows."""
+    if rows is None:
+        return None
+    rows = rows.reshape(-1, rows.shape[-1]).contiguous()
+    if rows.shape[0] != M:
+        raise ValueError(f"rows must give the product's {M} rows their scales, got {tuple(rows.shape)}")
+    return rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -266,7 +266,7 @@ def test_ordered_attention_computes_what_sdpa_does(models):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("layer_ops", ["torch", "triton"])
+@pytest.mark.parametrize("layer_ops", ["torch", "triton", "folded"])
 def test_a_tree_forward_replayed_as_a_graph_gives_the_eager_bits(layer_ops):
     """With CUDA graphs a tree's forward replays its (T, S) graph, captured beforehand (`capture(tree_counts=)`), the
     tree's mask and positions copied into its buffers: the same logits, hidden states and cache as the eager forward,

@@ -57,6 +57,37 @@ def test_silu_mul_and_rms_norm_are_the_torch_ops_within_a_rounding(device, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_folded_norms_scale_each_row_as_the_torch_ops_within_a_rounding_and_alone(device, dtype):
+    """rows=x: the product over x's raw rows scaled by x's 1 / rms before the rotary (q, k and v) and before SiLU *
+    up, as `scaled_rows_torch` then the op; each token's result is its bits alone (a verify = one-token steps)."""
+    B, T, H, KV, D = SHAPE
+    g = torch.Generator(device=device).manual_seed(4)
+    x = (4 * torch.randn(B * T, 576, generator=g, device=device)).to(dtype)
+    qkv = (40 * torch.randn(B * T, (H + 2 * KV) * D, generator=g, device=device)).to(dtype)
+    gate_up = (40 * torch.randn(B * T, 2 * 1536, generator=g, device=device)).to(dtype)
+    kv = torch.zeros(2, B, KV, 16, D, device=device, dtype=dtype)
+    cos, sin = rotary(T, D, dtype, device)
+    pos = torch.tensor([9, 4, 11], device=device)
+    ulp = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -20
+    kv_ref = kv.clone()
+    q_ref = layer_ops.rope_and_cache_torch(qkv.clone(), cos, sin, pos, kv_ref, SHAPE, rows=x, eps=1e-5)
+    q = layer_ops.rope_and_cache(qkv, cos, sin, pos, kv, SHAPE, rows=x, eps=1e-5)
+    torch.testing.assert_close(q, q_ref, rtol=2 * ulp, atol=2 * ulp)
+    torch.testing.assert_close(kv, kv_ref, rtol=2 * ulp, atol=2 * ulp)
+    assert q.abs().amax() < qkv.abs().amax() / 2  # scaled: x's rms is ~4, so the values ~4x smaller
+    out = layer_ops.silu_mul(gate_up, rows=x, eps=1e-5)
+    torch.testing.assert_close(out, layer_ops.silu_mul_torch(gate_up, rows=x, eps=1e-5), rtol=ulp, atol=ulp)
+    one = B * T - 1  # the last token alone (B = 1, T = 1)
+    kv_one = torch.zeros(2, 1, KV, 16, D, device=device, dtype=dtype)
+    q_one = layer_ops.rope_and_cache(qkv[one:], cos[-1:], sin[-1:], pos[-1:], kv_one, (1, 1, H, KV, D),
+                                     rows=x[one:], eps=1e-5)
+    assert torch.equal(q_one, q[-1:, :, T - 1::T]) and torch.equal(kv_one[:, 0, :, 11], kv[:, 1, :, 11])
+    assert torch.equal(layer_ops.silu_mul(gate_up[one:], rows=x[one:], eps=1e-5), out[one:])
+    with pytest.raises(ValueError, match="rows"):
+        layer_ops.silu_mul(gate_up, rows=x[:2], eps=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_pair_of_norms_in_one_kernel_is_two_norms_side_by_side(device, dtype):
     g = torch.Generator(device=device).manual_seed(3)
     a, b = (torch.randn(2, 3, 576, generator=g, device=device).to(dtype) for _ in range(2))
@@ -169,14 +200,14 @@ def test_the_model_with_the_kernels_gives_the_torch_ops_logits_and_greedy_tokens
     model = tiny_model(device)
     ids = torch.randint(0, 97, (1, 9), device=device)
     runs = {}
-    for ops in ("torch", "triton", "fused"):
+    for ops in ("torch", "triton", "folded", "fused"):
         fast = StaticCausalLM(model, max_len=64, use_graphs=False, layer_ops=ops)
         assert fast.layer_ops == ops
         logits = [fast.forward(ids)[:, -1]]
         for _ in range(4):  # greedy steps of one token
             logits.append(fast.forward(logits[-1].argmax(-1, keepdim=True))[:, -1])
         runs[ops] = torch.stack(logits)
-    for ops in ("triton", "fused"):
+    for ops in ("triton", "folded", "fused"):
         torch.testing.assert_close(runs[ops], runs["torch"], rtol=1e-4, atol=1e-4)
         assert torch.equal(runs[ops].argmax(-1), runs["torch"].argmax(-1))
 
@@ -234,6 +265,16 @@ def test_the_draft_heads_captured_step_with_the_kernels_is_its_torch_step(device
         else:
             assert float((got - want).norm() / want.norm()) < 0.02
     head.layer_ops = "auto"
+
+
+def test_the_head_runs_the_kernels_under_every_kernel_layer_ops_the_target_may_pick(device, monkeypatch):
+    """"auto" follows the target's choice (FLASHSPEC_LAYER_OPS here): any of the kernel paths gives the head its
+    kernel step, torch's its torch step (a head left on torch's ops beside a kernel target costs ~40% a round)."""
+    _, head = tiny_pair(device)
+    x = torch.zeros(1, device=device)
+    for ops in ("triton", "folded", "fused", "torch"):
+        monkeypatch.setenv("FLASHSPEC_LAYER_OPS", ops)
+        assert head.uses_kernels(x) == (ops != "torch"), ops
 
 
 @torch.no_grad()
