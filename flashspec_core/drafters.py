@@ -33,6 +33,7 @@ from flashspec_core.models import CausalLM
 from flashspec_core.sampling import SamplingConfig, draft_sampling, logits_to_probs, logits_to_probs_at, sample
 from flashspec_core.tree import DraftTree, TensorTree
 from kernels.tree_level import Level, next_frontier, rank_tree_triton, tree_level
+from kernels.verify import argmax
 
 
 @dataclass(frozen=True)
@@ -551,10 +552,10 @@ class DraftHeadDrafter(Drafter):
         if fixed:  # written in place: the widening copy and the id lookup land in the buffers
             f = self.fixed
             h, logits = f.h.copy_(h), f.logits.copy_(logits)
-            guess = torch.index_select(self.ids, 0, logits.argmax(dim=-1), out=f.guess)  # [B]
+            guess = torch.index_select(self.ids, 0, argmax(logits), out=f.guess)  # [B]
         else:
             logits = logits.float()
-            guess = self.ids[logits.argmax(dim=-1)]  # [B]
+            guess = self.ids[argmax(logits)]  # [B]
         self.h, self.logits, self.guess = h, logits, guess
 
     # -- a captured round (fixed shapes, device positions, no host reads) ---------------------------
@@ -588,7 +589,7 @@ class DraftHeadDrafter(Drafter):
         tokens, qs = [], []
         for i in range(k):
             if params is None:
-                index, q = logits.argmax(dim=-1), None
+                index, q = argmax(logits), None
             else:
                 q = logits_to_probs_at(logits, params)
                 index = sample(q, generator)
@@ -930,7 +931,7 @@ def _without_replacement(law: torch.Tensor, c: int, generator) -> tuple[torch.Te
 def draw(logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token per row from logits [B, V]: the argmax when greedy (q None), else a sample from q [B, V]."""
     if sampling.greedy:
-        return logits.argmax(dim=-1), None
+        return argmax(logits), None
     q = logits_to_probs(logits, sampling)
     return sample(q, generator), q
 

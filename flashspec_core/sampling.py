@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from flashspec_core.checks import is_int, is_real, shown
+from kernels.verify import argmax
 
 MIN_TEMPERATURE = 1e-6  # below this (but above 0) logits / temperature overflow float32 into NaN probabilities
 
@@ -68,7 +69,7 @@ def logits_to_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row from [B, V] probabilities (exponential race; no device->host sync)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    return argmax(probs / noise)
 
 
 def sampling_params(cfg: SamplingConfig, device) -> torch.Tensor:

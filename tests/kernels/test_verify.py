@@ -376,6 +376,17 @@ def test_vocabulary_tail_is_reached_and_not_overrun(V, device):
         assert out.tokens[:, K].tolist() == [V - 1] * B
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_argmax_helper_is_torch_argmax_on_ties_and_nans(dtype):
+    """`verify.argmax` (max(dim=-1) on the CPU, faster there) picks what torch.argmax picks: the first of equal
+    maxima, NaN as the maximum, over widths past a vectorised reduction's blocks."""
+    g = torch.Generator().manual_seed(5)
+    for V in (1, 7, 64, 1000, 49152, 65537):
+        x = torch.randint(0, 4, (3, 2, V), generator=g).to(dtype)  # many ties
+        x[1, 0, V // 3] = float("nan")
+        assert torch.equal(kv.argmax(x), x.argmax(dim=-1)), V
+
+
 @pytest.mark.parametrize("tied", [(15000, 3000, 11192), (9000, 5000, 13192)])
 def test_ties_pick_the_lowest_index(tied, device):
     """Exact ties in argmax go to the lowest index, as torch.argmax does, across lanes and blocks: in the
