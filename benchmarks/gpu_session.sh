@@ -26,7 +26,7 @@
 #            greedy trees' bits against plain decoding), then benchmarks.tree_round (TREE_ARGS): chains against trees,
 #            then (T3_PROFILE set: its arguments) benchmarks.round_profile: each config's kernels a round
 #   step:    the layer-op kernels' tests on CUDA and one forward's kernels with the torch ops and with them
-#            (benchmarks.gpu_step --layer-ops torch triton); no GGUF needed
+#            (benchmarks.gpu_step --layer-ops torch triton folded); no GGUF needed
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
 #            (the export goes to /root/head_out, never to $OUT: its 29 MB model file cannot come back; the float32
 #            shards in $OUT/ckpt can, and `train_head --resume --train-minutes 0` exports them here): the log, the
@@ -172,7 +172,7 @@ t3)  # assemble the GGUF with part 3 (.carry/p3), then chains against trees (TRE
   find benchmarks/results \( -name 'tree_*_cuda*' -o -name 'round_profile_cuda*' \) -newer /tmp/t3.start -exec cp {} "$OUT/" \; ;;
 step)  # issue 15's plain step: the layer-op kernels (tests, then the captured forward with and without them)
   python3 -m pytest tests/kernels/test_layer_ops.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_layer_ops_cuda.log" | tail -3
-  python3 -m benchmarks.gpu_step --layer-ops torch triton --tokens 1 8 --context 512 --no-compile 2>&1 | tee "$OUT/gpu_step.log" | tail -30
+  python3 -m benchmarks.gpu_step --layer-ops torch triton folded --tokens 1 8 --context 512 --no-compile 2>&1 | tee "$OUT/gpu_step.log" | tail -30
   cp benchmarks/results/gpu_step_*.json "$OUT/" 2>/dev/null ;;
 *) echo "unknown phase $phase; expected a, b, stash, train, resume, p1, p2, old, ckpt, headgo, resumego, watch, shards, r1, r2, r3, t3 or step" >&2; exit 2 ;;
 esac

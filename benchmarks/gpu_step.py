@@ -8,8 +8,8 @@ Random weights in the SmolLM2-135M shape (30 layers, hidden 576, 9 query and 3 k
 bfloat16, `StaticCausalLM` (static cache, fused q/k/v and gate/up). For each token count T: the replay time of the
 captured forward over a `--context`-slot bucket (median of 200 replays, CUDA events), the kernels one eager
 forward launches (count, and the slowest names by total time), then the compiled forward captured the same way.
-`--layer-ops triton` measures the step with `kernels.layer_ops` (one row per choice, the same weights); `fused`
-with its GEMV products. `--products` then times each projection of the layer (and the LM head) alone at M = 1, 8
+`--layer-ops triton` measures the step with `kernels.layer_ops` (one row per choice, the same weights); `folded`
+with the norms folded into the products; `fused` with its GEMV products. `--products` then times each projection of the layer (and the LM head) alone at M = 1, 8
 and 17 rows: cuBLAS's product, the "triton" loop's ops for the same job (RMSNorm kernel + cuBLAS, + silu_mul), and
 the fused GEMV kernel under its default tiles and a few others, its block variants (8 rows a program at once in
 registers, or 16 on the tensor cores) among them
