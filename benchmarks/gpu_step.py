@@ -9,13 +9,12 @@ bfloat16, `StaticCausalLM` (static cache, fused q/k/v and gate/up). For each tok
 captured forward over a `--context`-slot bucket (median of 200 replays, CUDA events), the kernels one eager
 forward launches (count, and the slowest names by total time), then the compiled forward captured the same way.
 `--layer-ops triton` measures the step with `kernels.layer_ops` (one row per choice, the same weights); `folded`
-with the norms folded into the products; `fused` with its GEMV products. `--products` then times each projection of the layer (and the LM head) alone at M = 1, 8
-and 17 rows: cuBLAS's product, the "triton" loop's ops for the same job (RMSNorm kernel + cuBLAS, + silu_mul), and
-the fused GEMV kernel under its default tiles and a few others, its block variants (8 rows a program at once in
-registers, or 16 on the tensor cores) among them
-(each a CUDA graph of 100 calls, median replay / 100),
-with each fused row's largest difference from the "triton" ops and whether its M rows equal the rows alone bit for
-bit. Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
+with the norms folded into the products; `fused` with its GEMV products. `--products` then times each projection
+of the layer (and the LM head) alone at M = 1, 8 and 17 rows: cuBLAS's product, the "triton" loop's ops for the
+same job (RMSNorm kernel + cuBLAS, + silu_mul), and the fused GEMV kernel under its default tiles and a few others,
+its block variants (8 rows a program at once in registers, or 16 on the tensor cores) among them (each a CUDA graph
+of 100 calls, median replay / 100), with each fused row's largest difference from the "triton" ops and whether its
+M rows equal the rows alone bit for bit. Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
 Numbers, not assertions. CUDA only.
 """
 from __future__ import annotations

@@ -21,11 +21,12 @@
 
 A one-token step of a small model is bound by how many kernels it launches (about 19 a layer, ~2 us each inside a
 CUDA graph), not by its weights; the small ops take a layer to 10 (4 of them cuBLAS's products), the norms folded
-into the products to 8 (layer_ops="folded"), the three GEMV products (layer_ops="fused") to 7. Every kernel here treats each token on its own, so in a verify of K tokens it
-computes each token as a one-token step does (cuBLAS's products are not bound to: they may pick other kernels for
-other widths; the GEMV kernels split a product by its weight's shape only). The roundings are
-the torch ops': the rotary rounds x * cos and the swapped half * sin to the activations' dtype before their sum, as
-the in-place torch ops do (and runs without fused multiply-adds, which the GPU's compiler would otherwise form),
+into the products to 8 (layer_ops="folded"), the three GEMV products (layer_ops="fused") to 7. Every kernel here
+treats each token on its own, so in a verify of K tokens it computes each token as a one-token step does
+(cuBLAS's products are not bound to: they may pick other kernels for other widths; the GEMV kernels split a
+product by its weight's shape only). The roundings are the torch ops' (the folded scale adds one rounding of the
+products' outputs): the rotary rounds x * cos and the swapped half * sin to the activations' dtype before their
+sum, as the in-place torch ops do (and runs without fused multiply-adds, which the GPU's compiler would otherwise form),
 and the tests check the kernels bit for bit (rotary, cache, layout) or within a rounding (the norm's sum order,
 silu, the attention's softmax) under TRITON_INTERPRET=1 and on a GPU.
 """
