@@ -144,10 +144,15 @@ if triton is not None:
         return _round(_round(g / (1.0 + tl.exp(-g)), dt) * u, dt)
 
     @triton.jit
+    def _inv_rms(x, K, eps):
+        """1 / sqrt(mean(x^2) + eps) of a float32 row x (K long, zeros past it): the RMSNorm's scale."""
+        return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+
+    @triton.jit
     def _normed(x, weight, K, eps, dt: tl.constexpr):
         """HF's RMSNorm of a float32 row x (K long, zeros past it): normalised in float32, rounded to dt, scaled by
         the float32 weight, rounded again (kept in float32)."""
-        return _scaled(x, 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps), weight, dt)
+        return _scaled(x, _inv_rms(x, K, eps), weight, dt)
 
     @triton.jit
     def _scaled(x, scale, weight, dt: tl.constexpr):
@@ -156,10 +161,9 @@ if triton is not None:
 
     @triton.jit
     def _row_scale(rows_ptr, row, N, eps, BLOCK: tl.constexpr):
-        """The RMSNorm scale 1 / sqrt(mean(x^2) + eps) of row `row` of rows [M, N], in float32 (`_normed`'s)."""
+        """`_inv_rms` of row `row` of rows [M, N], loaded here."""
         n = tl.arange(0, BLOCK)
-        x = tl.load(rows_ptr + row * N + n, mask=n < N, other=0.0).to(tl.float32)
-        return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+        return _inv_rms(tl.load(rows_ptr + row * N + n, mask=n < N, other=0.0).to(tl.float32), N, eps)
 
     @triton.jit
     def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, at_ptr, at_stride, pos_ptr, kv_ptr, q_ptr, T, capacity,
