@@ -351,17 +351,22 @@ def teacher_forced(lm, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def hf_eager_greedy(model, prompt, n, device) -> tuple[list[int], torch.Tensor]:
+    """HF eager's greedy answer of n tokens to prompt: the whole sequence's ids and the logits [n, V] before each new
+    token (the model is left on eager attention)."""
+    model.config._attn_implementation = "eager"
+    out = model.generate(torch.tensor([prompt], device=device), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0].tolist(), torch.stack(out.logits, dim=1)[0].float()
+
+
 def check_against_hf(model, lm, prompt, n):
     """Teacher-forced on HF eager's greedy tokens: our logits stay as close to HF eager's as HF's own SDPA path
     does (median over steps of the max deviation), and where our argmax differs from HF's token the two are
     within that step's deviation of each other (a rounding flip, not a bug) and such flips are rare (at most n / 8,
     or twice HF SDPA's own on a model of near-ties)."""
-    ids = torch.tensor([prompt], device=lm.device)
-    model.config._attn_implementation = "eager"
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    eager = torch.stack(out.logits, dim=1)[0].float()  # [n, V]
+    seq, eager = hf_eager_greedy(model, prompt, n, lm.device)  # eager [n, V]
+    tokens = seq[len(prompt):]
     model.config._attn_implementation = "sdpa"
     try:
         sdpa = teacher_forced(CausalLM(model), prompt, tokens)
@@ -390,12 +395,7 @@ def check_against_float32(model, lm, prompt, n):
     than HF's (layer_ops="folded"), where `check_against_hf`'s bound is HF's rounding order itself."""
     import copy
 
-    ids = torch.tensor([prompt], device=lm.device)
-    model.config._attn_implementation = "eager"
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_logits=True,
-                         return_dict_in_generate=True)
-    eager = torch.stack(out.logits, dim=1)[0].float()  # [n, V]
-    seq = out.sequences[0].tolist()
+    seq, eager = hf_eager_greedy(model, prompt, n, lm.device)
     truth = hf_logits(copy.deepcopy(model).float(), seq[:-1], n)[0]  # [n, V]: before each generated token
     ours = teacher_forced(lm, prompt, seq[len(prompt):])
     dev, hf = ((x - truth).abs().amax(dim=-1).median() for x in (ours, eager))
