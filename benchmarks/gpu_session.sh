@@ -21,7 +21,7 @@
 #   r1:      stash part 1 (.carry/p1), the captured round's tests and the tree kernel's on CUDA
 #   r2:      stash part 2 (.carry/p2), the verify kernel's tests on CUDA
 #   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s;
-#            leading NAME=value words set that run's environment)
+#            leading NAME=value words set that run's environment); every run's JSON and CSV come back in r3_results.tgz
 #   t3:      assemble with part 3 (.carry/p3); the tests in T3_TESTS (if set), benchmarks.tree_exact (the forwards' and
 #            greedy trees' bits against plain decoding), then benchmarks.tree_round (TREE_ARGS): chains against trees,
 #            then (T3_PROFILE set: its arguments) benchmarks.round_profile: each config's kernels a round
@@ -158,7 +158,9 @@ r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RU
     timeout ${RUN_TIMEOUT:-280} env "${envs[@]}" python3 -m benchmarks.run --preset embedded "$@" 2>&1 \
       | grep -v -i "loading weights\|de-quantizing\|clean_up_tokenization" | tail -${RUN_TAIL:-30}
   done <<< "${RUN_ARGS:-}"
-  find benchmarks/results -name 'engine_embedded_cuda*' -newer /tmp/r3.start -exec cp {} "$OUT/" \; ;;
+  # one archive (a call brings back 8 files): every run's JSON and CSV
+  find benchmarks/results -name 'engine_embedded_cuda*' -newer /tmp/r3.start -print0 \
+    | tar czf "$OUT/r3_results.tgz" --null -T - ;;
 t3)  # assemble the GGUF with part 3 (.carry/p3), then chains against trees (TREE_ARGS, e.g. "--precision auto
   # --captured auto --tag h200": chains and greedy trees on CUDA graphs)
   assemble3

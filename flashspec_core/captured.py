@@ -11,6 +11,11 @@ the host (a model-free drafter; none for the no-draft arm), K, the context bucke
 or sampling (the sampling settings are a device tensor, so one graph serves every temperature, top-k and top-p),
 and whether a draft head reads the verify's hidden states. The host copies in what only it knows (a model-free
 draft's ids) and reads one packed tensor back; positions, the pending token and the head's state stay here.
+
+The head's backlog: where the head runs its first pass only once several slots wait (`DraftHeadDrafter.catch_up_slots`
+> 1, the default), a round of another arm (`Shape.defer`) stores the verify's features and emitted ids for it instead
+of running the pass, so that such a round costs what a plain round does; `catch_up` later runs the pass over them in
+`PromptPiece`s, as over a prompt.
 """
 from __future__ import annotations
 
@@ -51,6 +56,8 @@ class Shape:
     observe: bool  # the verify forward's hidden states go through the head's first pass
     tree: "TreeSize | None" = None  # the head drafts a tree of this shape (K: its nodes), else a chain; sampled:
     #                                 its static shape (`TreeSize.sampled`)
+    defer: bool = False  # the verify's features wait in the head's backlog (`CapturedRound.catch_up`) instead of
+    #                      going through its first pass in the round
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class PromptPiece:
     greedy: bool = True  # no random draws
     observe: bool = False  # the target does not run
     tree: None = None  # no draft
+    defer: bool = False
 
 
 class CapturedRound:
@@ -87,6 +95,8 @@ class CapturedRound:
             self.features = torch.zeros((batch, PIECE, F_in), dtype=head.dtype, device=dev)  # a prompt piece's
             self.following = torch.zeros((batch, PIECE), dtype=torch.int64, device=dev)  # token t + 1 of slot t
             self.piece = torch.zeros(1, dtype=torch.int64, device=dev)  # the piece's first slot
+            self.head_length = torch.zeros(1, dtype=torch.int64, device=dev)  # slots through the head's first pass:
+            #                                 the backlog (`features`, `following` from 0) holds the slots after them
         self._reads = self._buffers()  # what its graphs read: valid while the models keep these
 
     def _buffers(self) -> tuple:
@@ -102,12 +112,19 @@ class CapturedRound:
     def batch(self) -> int:
         return self.pending.shape[0]
 
+    @property
+    def defers(self) -> bool:
+        """Whether other arms' rounds leave their slots in the head's backlog (the head waits for several)."""
+        return self.head is not None and self.head.catch_up_slots > 1
+
     def begin(self, pending: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> torch.Generator:
         """A stream starts: the pending ids [B, 1], the cache length (the target's), the sampling settings and the
         random state (`generator`'s, copied in when graphs replay on their own generator). Returns the generator
         the rounds draw from."""
         self.pending.copy_(pending)
         self.length.fill_(self.target.length)
+        if self.head is not None:
+            self.head_length.fill_(self.target.length)  # the head's start (or `prompt`) passes over the prompt
         if not sampling.greedy:
             self.params.copy_(sampling_params(sampling, self.params.device))
             tau = self.head.head.cfg.draft_temperature if self.head is not None else 1.0
@@ -132,16 +149,30 @@ class CapturedRound:
         """The head's first pass over a stream's prompt (hidden [B, n, F]: slot t pairs position t's features with
         token t + 1; `takes_prompt(n)`) in `prompt_pieces`, each a `PromptPiece` graph's replay, after the head's
         `start` without features; the head is then current, as its own first pass would leave it."""
-        n, S = hidden.shape[1], self.prompt_S()
+        n = hidden.shape[1]
         following = torch.tensor([r[1:n + 1] for r in rows], device=self.features.device)
+        self.head_length.zero_()
+        self._pieces(hidden, following, n, self.prompt_S())
+        self.head.caught_up(n)
+
+    def catch_up(self, n: int, S: int) -> None:
+        """The head's first pass over the n slots waiting in its backlog (stored by `Shape.defer` rounds), in
+        `PromptPiece`s attending over S slots (a context bucket that holds them). Positions come from the device's
+        head length, so the pass may be queued behind rounds in flight whose counts the host knows."""
+        self._pieces(self.features, self.following, n, S)
+
+    def _pieces(self, features: torch.Tensor, following: torch.Tensor, n: int, S: int) -> None:
+        """The first pass over n slots of features [B, >= n, F] and following [B, >= n] (or the backlog in place) from
+        the head's length on, one `PromptPiece` each of `prompt_pieces(n)`; the head's length then counts them."""
         c0 = 0
         for T in prompt_pieces(n, self.target.max_graph_tokens):
-            self.features[:, :T].copy_(hidden[:, c0:c0 + T])
-            self.following[:, :T].copy_(following[:, c0:c0 + T])
-            self.piece.fill_(c0)
+            if features is not self.features or c0:  # a later piece of the backlog moves to its front (c0 >= T)
+                self.features[:, :T].copy_(features[:, c0:c0 + T])
+                self.following[:, :T].copy_(following[:, c0:c0 + T])
+            torch.add(self.head_length, c0, out=self.piece)
             self.run(PromptPiece(T, S))
             c0 += T
-        self.head.caught_up(n)
+        self.head_length.add_(n)
 
     def run(self, shape: Shape) -> torch.Tensor:
         """One round of `shape`; returns its packed host record (a graph's own buffer: read it before the next).
@@ -190,10 +221,22 @@ class CapturedRound:
         kept = result.num_accepted.min().view(1)  # rows advance together by the shortest accepted prefix + 1
         packed = pack(proposal, logits.softmax(dim=-1) if greedy else p, result, guess)
         self.pending.copy_(result.tokens.index_select(1, kept))
-        if shape.observe:
+        if shape.defer:
+            self._store(aux, result.tokens, K)
+        elif shape.observe:
             self.head.observe_at(aux, result.tokens, kept, pos, shape.S)
         self.length.add_(kept + 1)
+        if shape.observe and not shape.defer:
+            self.head_length.copy_(self.length)  # the head is current
         return packed
+
+    def _store(self, aux: torch.Tensor, emitted: torch.Tensor, K: int) -> None:
+        """A deferred round's K + 1 verified slots into the head's backlog after those waiting: their features (aux
+        [B, K+1, F]) and the ids emitted after them (emitted [B, K+1]); those past the accepted count are overwritten
+        by the next round's. The host keeps the backlog within its PIECE slots (`DeviceRound`)."""
+        at = self.length - self.head_length + self.steps[:K + 1]  # [K+1] backlog slots
+        self.features.index_copy_(1, at, aux[:, :K + 1].to(self.features.dtype))
+        self.following.index_copy_(1, at, emitted.clamp_min(0))
 
     def tree_body(self, shape: Shape) -> torch.Tensor:
         """A tree round (`tree_round.run_tree`'s, on the device): the head's tree (greedy: `propose_tree_at`;
@@ -219,6 +262,8 @@ class CapturedRound:
             hidden = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))  # the kept slots' features
             self.head.observe_at(hidden, result.tokens, kept, self.length + self.steps[:path.shape[1]], shape.S)
         self.length.add_(kept + 1)
+        if shape.observe:
+            self.head_length.copy_(self.length)
         parents = F.pad(tree.parents.float()[None], (0, packed.shape[1] - tree.N))
         return torch.cat([packed, parents], dim=0)
 
@@ -232,8 +277,9 @@ class CapturedRound:
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self.length.zero_()
-                if self.head is not None:
-                    self.piece.zero_()  # a prompt piece's warm-up writes slots from 0, inside any cache
+                if self.head is not None:  # a prompt piece's (or a stored round's) warm-up writes slots from 0
+                    self.piece.zero_()
+                    self.head_length.zero_()
                 self.body(shape)
         torch.cuda.current_stream(dev).wait_stream(stream)
         self.length.zero_()

@@ -461,7 +461,9 @@ class DraftHeadDrafter(Drafter):
     catch_up=1 runs the first pass every round (always current: a guess to score each round). On the CPU a pass
     costs about as much over 8 slots as over 1 (the weights are read once), so the default waits for CATCH_UP
     slots: rounds of other arms then pay ~0.2 ms a slot instead of ~1.5 ms a round (the native 4-bit path, a
-    7 ms plain round). A captured round (`observe_at`) keeps the head current inside its graph either way.
+    7 ms plain round). On a GPU a pass costs about as much as over 1 slot too: a captured round runs it inside its
+    graph where the head drafts (`observe_at`), and another arm's round stores its slots in the head's backlog, which
+    it takes in pieces as this drafter would (`CapturedRound.catch_up`); catch_up=1 runs it inside every round.
 
     On the CPU the head sets its own chain length (`sets_length`): once the policy has handed it the measured costs
     (`costs`, and `step_s`, its seconds a draft step) a chain ends after the token past which one more is not worth

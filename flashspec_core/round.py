@@ -23,12 +23,14 @@ Shaped for capture (the eager path here is the specification: a captured round m
   draft model's start, a prefill). The n-gram cache, which remembers across streams, catches up on a stream it
   missed before it is next fed (`Transcript`).
 - The draft head reads every verify forward (`observe` with the target's hidden states, whatever arm was
-  pulled) and runs its first pass at once, so a head draft is K - 1 chained steps from state already on the
-  device, and its first-pass guess (`Drafter.guess`, a device tensor) rides in the next round's host copy.
+  pulled) and runs its first pass once `catch_up_slots` wait and before it drafts, so a head draft is K - 1
+  chained steps from state already on the device, and its first-pass guess (`Drafter.guess`, a device tensor),
+  where it is current, rides in the next round's host copy: a counterfactual score for the bandit.
 
 On CUDA (and on the CPU with captured="eager") `launch` hands the round to `captured.CapturedRound`: the same
 steps as one CUDA graph per shape, the head's update from the verify's hidden states inside it (all K + 1 slots
-with the accepted count as a device tensor), the cache length on the device. `land` then only reads, extends
+with the accepted count as a device tensor), the cache length on the device; where the head waits for several
+slots, other arms' rounds store theirs in its backlog instead (`head_ready`). `land` then only reads, extends
 the rows and moves the host's lengths. Stays on the host: the arm and K (bandit, gamma), the model-free
 drafters (host tries), the cache lengths as host ints (they pick the context bucket), the rows (text, stop
 checks, counterfactual scores).
@@ -46,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashspec_core.captured import CapturedRound, PromptPiece, Shape, pack, piece_sizes
+from flashspec_core.captured import PIECE, CapturedRound, PromptPiece, Shape, pack, piece_sizes
 from flashspec_core.drafters import DraftHeadDrafter, DraftModel, Drafter, NoDraft
 from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
@@ -64,6 +66,8 @@ class Launched:
     captured: bool = False  # ran as a captured round: the head has observed it already
     ready: torch.cuda.Event | None = None  # recorded after `packed`'s copy into pinned host memory was queued
     tree: "TreeSize | None" = None  # a tree round of this shape (K: its nodes), `tree_round.launch_tree`
+    stored: bool = False  # a captured round that left its verified slots in the head's backlog (`Shape.defer`)
+    head_current: bool = True  # no slots waited for the head's first pass when it launched
 
     @property
     def most(self) -> int:
@@ -142,6 +146,7 @@ class DeviceRound:
         self.backlog: dict[str, list[Transcript]] = {}  # per such drafter: the streams it missed, oldest first
         self.unsettled: tuple[list[list[int]], int, list[Drafter]] = ([], 0, [])  # `land` left them for `settle`
         self.stream: torch.cuda.Stream | None = None  # the stream's CUDA stream (`start`), for the rounds' events
+        self.behind = 0  # captured rounds: slots in the head's backlog (of the rounds launched whose count is known)
 
     # -- the two calls -------------------------------------------------------------------------------
     def start(self, rows: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
@@ -157,6 +162,7 @@ class DeviceRound:
         self.unlanded.clear()  # a round the last stream left in flight is dropped (its device work is queued first)
         self.unsettled = ([], 0, [])
         self.launched_ahead = 0
+        self.behind = 0
         self.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.feed(rows, arms)
         readers = [self.drafters[a] for a in (arms or self.drafters)]
@@ -220,9 +226,12 @@ class DeviceRound:
     # -- the round -----------------------------------------------------------------------------------
     def on_device(self, drafter: Drafter) -> bool:
         """Whether a round of `drafter` can be launched before the round before it lands: captured rounds whose
-        draft needs no host rows (the head drafts inside the graph; no draft)."""
+        draft needs no host rows (the head drafts inside the graph; no draft), unless the head must first take a
+        backlog whose size waits on the round in flight (`_must_catch_up`)."""
         c = self.captured
-        return c is not None and (drafter is c.head or isinstance(drafter, NoDraft))
+        if c is None or not (drafter is c.head or isinstance(drafter, NoDraft)):
+            return False
+        return self._waiting()[1] or not self._must_catch_up(drafter is c.head, 1)
 
     def launch(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig, generator, tree=None) -> Launched:
         """Draft, verify and the accept test, all on the device; nothing here reads the device. With a round in
@@ -280,6 +289,10 @@ class DeviceRound:
         L, m = len(rows[0]), min(host.num_accepted)
         for row, toks in zip(rows, host.tokens):  # accept
             row.extend(toks[:m + 1])
+        if launched.stored:  # its m + 1 slots wait for the head (a round of K = 0 counted them at launch)
+            self.behind += (m + 1) * bool(launched.K)
+            if launched.head_current:
+                self.captured.head.cache.length = L - 1
         self.landed(rows, L + m, first)
         if not launched.captured:
             self._update(rows, L + m, None if self.target.aux is None else self.target.aux[:, :m + 1])
@@ -302,7 +315,7 @@ class DeviceRound:
         self.target.crop(kept)  # roll back: the cache keeps the context and the accepted drafts
         self.target.length += sum(r.most for r in self.unlanded)  # a round in flight: what it may append
         if launched.captured:
-            self._update_captured(rows, kept, first)
+            self._update_captured(rows, kept, first, launched.stored)
 
     def _update(self, rows: list[list[int]], kept: int, hidden: torch.Tensor | None) -> None:
         """Every fed drafter learns the round; the hidden-state readers get `hidden` [B, n, F], the target's features
@@ -313,22 +326,54 @@ class DeviceRound:
 
     # -- captured rounds ------------------------------------------------------------------------------
     def _launch_captured(self, rows, drafter: Drafter, k: int, sampling: SamplingConfig) -> Launched:
-        """The round as one captured graph: the head drafts inside it; a model-free drafter's ids are copied in."""
+        """The round as one captured graph: the head drafts inside it; a model-free drafter's ids are copied in.
+        Where the head waits for several slots (`CapturedRound.defers`), another arm's round stores its slots in the
+        head's backlog (`Shape.defer`), and the head takes them before it drafts (`head_ready`)."""
         timer, c, head = RoundTimer(self.device, self.stream), self.captured, self.captured.head
-        guessers = [head.name] if head is not None and self.target.aux_layers and head.h is not None else []
-        if drafter is head and head.h is not None and k > 0:
+        drafts = drafter is head and head.h is not None and k > 0
+        if drafts:
             K = k
         else:
             tokens = drafter.propose(rows, k).tokens if drafter is not head else c.draft[:, :0]
             K = tokens.shape[1]
             c.draft[:, :K].copy_(tokens)
-        shape = Shape(drafter is head and K > 0, K, self.target.bucket(self.target.length + K + 1), sampling.greedy,
-                      bool(self.target.aux_layers))
+        observe = bool(self.target.aux_layers)
+        stores = observe and c.defers and not drafts
+        current = self.head_ready(drafts, K + 1 if stores else 0)
+        guessers = [head.name] if observe and head.h is not None and current else []
+        shape = Shape(drafts, K, self.target.bucket(self.target.length + K + 1), sampling.greedy, observe, defer=stores)
         timer.drafted()  # a model-free draft ends here; the head's drafting runs inside the round (in verify_s)
         packed = self._to_host(c.run(shape))
         timer.launched()  # after the record's copy was queued: this event also says when the host may read it
         self.target.length += K + 1  # the host's count of what the verify appended (rolled back in `land`)
-        return Launched(K, packed, guessers, timer, captured=True, ready=timer.end if timer.cuda else None)
+        self.behind += stores and K == 0  # one slot, known now
+        return Launched(K, packed, guessers, timer, captured=True, ready=timer.end if timer.cuda else None,
+                        stored=stores, head_current=current)
+
+    # -- the head's backlog (captured rounds where the head waits for several slots) ------------------
+    def _waiting(self) -> tuple[int, bool]:
+        """(the most slots the head's backlog holds once the rounds in flight land, whether that count is known)."""
+        unknown = [r.most for r in self.unlanded if r.stored and r.K]
+        return self.behind + sum(unknown), not unknown
+
+    def _must_catch_up(self, drafts: bool, slots: int) -> bool:
+        """Whether the head must take its backlog before a round: it drafts in it, or the round's slots may not fit."""
+        c, (most, _) = self.captured, self._waiting()
+        return c.defers and ((drafts and most > 0) or most + slots > PIECE)
+
+    def head_ready(self, drafts: bool, slots: int) -> bool:
+        """Before a captured round that stores `slots` in the backlog or in which the head `drafts`: the head's first
+        pass over its backlog where it must take it, or once `catch_up_slots` wait (then its guess scores the
+        round); returns whether the head is current as the round starts."""
+        c, (most, known) = self.captured, self._waiting()
+        if not (c.defers and self.target.aux_layers):
+            return True
+        if self._must_catch_up(drafts, slots) or (known and most >= c.head.catch_up_slots):
+            if not known:
+                raise ValueError("the head's backlog waits on the round in flight: land it first")
+            c.catch_up(self.behind, self.target.bucket(self.target.length))  # the length counts rounds in flight
+            self.behind = 0
+        return known and self.behind == 0
 
     def _to_host(self, packed: torch.Tensor) -> torch.Tensor:
         """On CUDA, queue the record's copy into a pinned host buffer (two a size, taken in turn: at most two rounds
@@ -341,14 +386,17 @@ class DeviceRound:
         pair[0].copy_(packed, non_blocking=True)
         return pair[0]
 
-    def _update_captured(self, rows: list[list[int]], kept: int, first: Drafter | None = None) -> None:
-        """After a captured round: the head has observed it on the device (its cache now holds `kept` slots);
-        every other fed drafter learns it as in `_update`, now if it is `first` (or none is named), else at
-        `settle`."""
+    def _update_captured(self, rows: list[list[int]], kept: int, first: Drafter | None = None,
+                         stored: bool = False) -> None:
+        """After a captured round: the head has observed it on the device (its cache now holds `kept` slots) unless
+        the round `stored` its slots in the head's backlog; every other fed drafter learns it as in `_update`, now if
+        it is `first` (or none is named), else at `settle`."""
         self._record(rows)
         later = []
         for d in self.fed:
             if d is self.captured.head:
+                if stored:
+                    continue
                 d.cache.length = kept
                 f = d.fixed
                 d.h, d.logits, d.guess = f.h, f.logits, f.guess
@@ -456,10 +504,11 @@ class DeviceRound:
         N = captured_nodes(tree, sampling.greedy) if tree is not None else 0
         trees = [Shape(True, N, S, sampling.greedy, True, tree) for S in buckets if S > N] \
             if tree is not None and observe and head else []
-        prompt_S = self.captured.prompt_S()
-        prompt = [PromptPiece(T, prompt_S) for T in piece_sizes(self.target.max_graph_tokens)
-                  if observe and prompt_S is not None]  # the head's first pass over a prompt
-        return prompt + trees + [Shape(h, K, S, sampling.greedy, observe) for S in buckets
+        defers = observe and head and self.captured.defers
+        prompt_S = [self.captured.prompt_S()] if observe and self.captured.prompt_S() is not None else []
+        prompt = [PromptPiece(T, S) for S in dict.fromkeys(prompt_S + (buckets if defers else []))
+                  for T in piece_sizes(self.target.max_graph_tokens)]  # the head's first pass over a prompt, a backlog
+        return prompt + trees + [Shape(h, K, S, sampling.greedy, observe, defer=defers and not h) for S in buckets
                                  for K in range(max_gamma + 1)
                                  for h in ((False, True) if observe and head and K else (False,)) if S >= K + 1]
 
@@ -515,9 +564,14 @@ class DeviceRound:
         that verifies k given ids (the fastest of reps + 1 each; the rows are scratch: a calibration stream)."""
         S = self.target.bucket(self.target.length + 2 * (reps + 1) * (k + 1))
 
+        c, observe = self.captured, bool(self.target.aux_layers)
+
         def seconds(head: bool) -> float:
+            defer = observe and c.defers and not head
+            if defer:
+                c.head_length.copy_(c.length)  # the round's slots from the backlog's front
             t0 = time.perf_counter()
-            self.captured.run(Shape(head, k, S, True, bool(self.target.aux_layers)))
+            c.run(Shape(head, k, S, True, observe, defer=defer))
             self.sync()
             return time.perf_counter() - t0
 

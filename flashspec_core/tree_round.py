@@ -122,7 +122,8 @@ def launch_tree(round_, drafter: DraftHeadDrafter, shape: TreeSize, greedy: bool
     from flashspec_core.round import Launched
 
     timer, c, target = RoundTimer(round_.device, round_.stream), round_.captured, round_.target
-    guessers = [drafter.name] if target.aux_layers and drafter.h is not None else []
+    current = round_.head_ready(True, 0)  # the head takes its backlog before it drafts
+    guessers = [drafter.name] if target.aux_layers and drafter.h is not None and current else []
     N = captured_nodes(shape, greedy)
     S = target.bucket(target.length + max(N + 1, shape.depth * min(shape.top_k, shape.size)))  # the verify's slots,
     timer.drafted()  # the head's levels' slots (from the same start); the head drafts inside the round (verify_s)

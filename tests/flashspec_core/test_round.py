@@ -150,7 +150,8 @@ def test_a_round_reads_the_device_once(target, head, arm, sampling, captured, mo
         before = len(reads)
         out = round_.run(rows, round_.drafters[arm], 3, sampling, gen)
         assert reads[before:] == ["tolist"], reads[before:]
-        current = captured == "eager" or i == 0  # eager rounds: current after the prompt, then slots wait
+        # current after the prompt, then slots wait; a captured round where the head drafts leaves it current
+        current = i == 0 or (captured == "eager" and arm == "draft_head")
         assert set(out.guesses) == ({"draft_head"} if current else set())  # its guess rode in the same copy
 
 
