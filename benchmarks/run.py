@@ -108,6 +108,12 @@ def round_times(events) -> dict:
            "round_ms_max_after_first": 1e3 * max(walls[1:]) if len(walls) > 1 else None, "host_ms_per_round": None}
     if all(e.device_s is not None for e in events):
         out["host_ms_per_round"] = 1e3 * (sum(walls) - sum(e.device_s for e in events)) / len(walls)
+    by_arm = {}  # after the stream's first round: a bandit row's arms cost differently, so each against its own
+    for e, wall in zip(events[1:], walls[1:]):
+        by_arm.setdefault(e.drafter, []).append(wall)
+    out["round_ms_by_arm"] = {arm: {"rounds": len(w), "median": 1e3 * median(w), "max": 1e3 * max(w)}
+                              for arm, w in by_arm.items()}
+    out["round_max_over_median"] = max((max(w) / median(w) for w in by_arm.values()), default=None)  # worst arm
     return out
 
 
@@ -392,8 +398,10 @@ def summary(rows) -> list[str]:
         sel = [r for r in rows if r["config"] == config]
         mean = math.exp(sum(math.log(r["speedup"]) for r in sel) / len(sel))
         same = sum(bool(r["same_as_plain"]) for r in sel)
+        ratios = [r["round_max_over_median"] for r in sel if r.get("round_max_over_median") is not None]
+        worst = f", longest round {max(ratios):.2f}x its arm's median" if ratios else ""
         lines.append(f"{config}: {mean:.2f}x own plain (geometric mean over {len(sel)} prompts), lowest "
-                     f"{min(r['speedup'] for r in sel):.2f}x, plain's ids on {same} of {len(sel)}")
+                     f"{min(r['speedup'] for r in sel):.2f}x, plain's ids on {same} of {len(sel)}{worst}")
     return lines
 
 
