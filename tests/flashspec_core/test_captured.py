@@ -379,6 +379,33 @@ def test_the_head_drafts_the_same_in_graphs_as_in_eager_rounds(tiny):
 
 
 @cuda
+def test_the_heads_backlog_replays_in_graphs_as_without_them(tiny):
+    """On the GPU, graphs against the same captured code run without them, a fixed schedule of arms in which rounds of
+    prompt lookup and of no draft store their slots in the head's backlog (the default catch_up): the same rows and
+    guesses every round, the same head after each of its rounds, and every round and catch-up piece a graph."""
+    from flashspec_core.captured import PromptPiece
+
+    engines = {mode: cuda_engine(tiny, torch.float32, captured=mode) for mode in ("auto", "eager")}
+    rows = {mode: [list(PROMPT)] for mode in engines}
+    for mode, e in engines.items():
+        assert e.drafters["draft_head"].catch_up_slots > 1
+        e.round.start(rows[mode], GREEDY, torch.Generator(device="cuda").manual_seed(0), len(PROMPT) + 200,
+                      arms=list(e.drafters))
+    schedule = ["draft_head", "prompt_lookup", "no_draft", "no_draft"] * 3 + (["no_draft"] * 17 + ["draft_head"]) * 2
+    for arm in schedule:
+        out = {mode: e.round.run(rows[mode], e.drafters[arm], 3, GREEDY, None) for mode, e in engines.items()}
+        a, b = (engines[m].drafters["draft_head"] for m in ("auto", "eager"))
+        assert rows["auto"] == rows["eager"] and out["auto"].guesses == out["eager"].guesses
+        assert a.cache.length == b.cache.length
+        if arm == "draft_head":
+            assert a.cache.length == len(rows["auto"][0]) - 1
+            torch.testing.assert_close(a.h, b.h, atol=1e-5, rtol=1e-5)
+    c = engines["auto"].round.captured
+    assert c.use_graphs and c.eager_rounds == 0
+    assert any(isinstance(s, PromptPiece) for s in c.graphs) and any(s.defer for s in c.graphs)
+
+
+@cuda
 def test_sampled_graph_streams_repeat_with_their_seed(tiny):
     engine = cuda_engine(tiny, torch.float32)
     runs = [engine.generate(PROMPT, 40, sampling=T1, gamma=3, drafters=["draft_head"], seed=s).token_ids
