@@ -289,8 +289,9 @@ class DeviceRound:
         L, m = len(rows[0]), min(host.num_accepted)
         for row, toks in zip(rows, host.tokens):  # accept
             row.extend(toks[:m + 1])
-        if launched.stored:  # its m + 1 slots wait for the head (a round of K = 0 counted them at launch)
-            self.behind += (m + 1) * bool(launched.K)
+        if launched.stored:  # its m + 1 slots wait for the head
+            if launched.K:  # (a round of K = 0 counted its one slot at launch)
+                self.behind += m + 1
             if launched.head_current:
                 self.captured.head.cache.length = L - 1
         self.landed(rows, L + m, first)
@@ -346,7 +347,8 @@ class DeviceRound:
         packed = self._to_host(c.run(shape))
         timer.launched()  # after the record's copy was queued: this event also says when the host may read it
         self.target.length += K + 1  # the host's count of what the verify appended (rolled back in `land`)
-        self.behind += stores and K == 0  # one slot, known now
+        if stores and K == 0:
+            self.behind += 1  # its one slot, known now
         return Launched(K, packed, guessers, timer, captured=True, ready=timer.end if timer.cuda else None,
                         stored=stores, head_current=current)
 
@@ -505,7 +507,7 @@ class DeviceRound:
         trees = [Shape(True, N, S, sampling.greedy, True, tree) for S in buckets if S > N] \
             if tree is not None and observe and head else []
         defers = observe and head and self.captured.defers
-        prompt_S = [self.captured.prompt_S()] if observe and self.captured.prompt_S() is not None else []
+        prompt_S = [S for S in [self.captured.prompt_S()] if observe and S is not None]
         prompt = [PromptPiece(T, S) for S in dict.fromkeys(prompt_S + (buckets if defers else []))
                   for T in piece_sizes(self.target.max_graph_tokens)]  # the head's first pass over a prompt, a backlog
         return prompt + trees + [Shape(h, K, S, sampling.greedy, observe, defer=defers and not h) for S in buckets
