@@ -235,7 +235,7 @@ class CapturedRound:
         [B, K+1, F]) and the ids emitted after them (emitted [B, K+1]); those past the accepted count are overwritten
         by the next round's. The host keeps the backlog within its PIECE slots (`DeviceRound`)."""
         at = self.length - self.head_length + self.steps[:K + 1]  # [K+1] backlog slots
-        self.features.index_copy_(1, at, aux[:, :K + 1].to(self.features.dtype))
+        self.features.index_copy_(1, at, aux.to(self.features.dtype))
         self.following.index_copy_(1, at, emitted.clamp_min(0))
 
     def tree_body(self, shape: Shape) -> torch.Tensor:
