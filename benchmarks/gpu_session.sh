@@ -146,7 +146,9 @@ r1)  # the captured round (issue 15): stash GGUF part 1 (.carry/p1), its tests, 
     tests/flashspec_core/test_fast_path.py} -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_captured_cuda.log" | tail -15 ;;
 r2)  # stash GGUF part 2 (.carry/p2), and the verify kernel's tests on CUDA
   [ "${R2_TESTS:-}" = none ] || python3 -m pytest ${R2_TESTS:-tests/kernels/test_verify.py} -q -p no:cacheprovider 2>&1 \
-    | tee "$OUT/pytest_verify_cuda.log" | tail -5 ;;  # R2_TESTS=none: the stash alone
+    | tee "$OUT/pytest_verify_cuda.log" | tail -5  # R2_TESTS=none: the stash alone
+  # R2_BENCH=1: the verify kernel's timings too (against the committed kernels_nvidia-h200.json)
+  [ -z "${R2_BENCH:-}" ] || timeout 200 python3 -m benchmarks.kernels --out "$OUT/kernels_r2.json" 2>&1 | tail -25 ;;
 r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RUN_ARGS: one run per line)
   assemble3
   touch /tmp/r3.start  # only this call's results go back (the 8 files a call returns)

@@ -321,6 +321,100 @@ if triton is not None:
             tl.store(s_row[:, None] + v[None, :], tl.math.div_rn(tl.maximum(p - q, 0.0), mass[:, None]), mask=m)
 
     @triton.jit
+    def _greedy_walk(t_rows, noise_rows, children_ptr, x_rows, stride_dn, stride_pk, stride_pv, stride_nv, in_b,
+                     W: tl.constexpr, D: tl.constexpr, V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
+        """(n, path, final): from the root, move to the first child carrying the target's argmax while there is one;
+        the last argmax is the final token."""
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_w = tl.arange(0, BLOCK_W)
+        slot = tl.zeros((BLOCK_B,), tl.int64)  # the node (slot) whose children are tried
+        n = tl.zeros((BLOCK_B,), tl.int64)  # accepted nodes so far
+        path = tl.full((BLOCK_B, BLOCK_D), -1, tl.int64)
+        final = tl.zeros((BLOCK_B,), tl.int32)
+        active = in_b
+        for step in range(D + 1):  # D moves down at most, then the row's last argmax
+            top, best = _argmax_over_v(t_rows + slot * stride_pk, stride_pv, noise_rows, stride_nv, active, 0,
+                                       V, V, BLOCK_B, BLOCK_V, 1, False)
+            kids = tl.load(children_ptr + slot[:, None] * W + offs_w[None, :],
+                           mask=active[:, None] & (offs_w < W)[None, :], other=-1)  # [BLOCK_B, BLOCK_W]
+            x = tl.load(x_rows[:, None] + kids * stride_dn, mask=kids >= 0, other=-1)
+            first = tl.min(tl.where((kids >= 0) & (x == best[:, None]), offs_w[None, :], BLOCK_W), axis=1)
+            found = first < BLOCK_W  # the first child carrying the argmax
+            child = tl.sum(tl.where(offs_w[None, :] == first[:, None], kids, 0), axis=1)
+            final = tl.where(active, best, final)
+            path = tl.where(found[:, None] & (offs_d[None, :] == n[:, None]), child[:, None], path)
+            n += found.to(tl.int64)
+            slot = tl.where(found, child + 1, slot)
+            active = found
+        return n, path, final
+
+    @triton.jit
+    def _after_reject(t_row, s_rows, in_scratch, q_row, x, noise_rows, stride_pv, stride_qv, stride_nv, reject, last,
+                      cont, final, V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, HAS_Q: tl.constexpr):
+        """(final, in_scratch) after rejected children: a row whose last sibling failed ends with a draw from the
+        residual (p where it is empty); one with a sibling left normalises the residual into its scratch."""
+        race, fallback, peak, fixed = _residual_pass(t_row, s_rows, in_scratch, q_row, x, noise_rows, stride_pv,
+                                                     stride_qv, stride_nv, reject, V, BLOCK_B, BLOCK_V, HAS_Q)
+        final = tl.where(last, tl.where(peak <= 0.0, fallback, race), final)
+        renorm = cont & (fixed > 0)
+        mass = tl.where(renorm, fixed.to(tl.float32) * UNFIX, 1.0)
+        _store_normalised(t_row, s_rows, in_scratch, q_row, x, mass, stride_pv, stride_qv, renorm, V, BLOCK_V, HAS_Q)
+        tl.debug_barrier()  # the scratch is read back by other lanes (the gather at the next token)
+        return final, in_scratch | renorm
+
+    @triton.jit
+    def _sampled_walk(t_rows, s_rows, q_rows, u_rows, noise_rows, children_ptr, x_rows, stride_dn, stride_qn,
+                      stride_qv, stride_pk, stride_pv, stride_un, stride_nv, in_b, N: tl.constexpr, W: tl.constexpr,
+                      V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr,
+                      HAS_Q: tl.constexpr):
+        """(n, path, final): each row tries its node's children in order, accepting one with min(1, p / q) against
+        the law at the node (the target's, or the residual left by rejected siblings); a leaf ends with a bonus."""
+        offs_d = tl.arange(0, BLOCK_D)
+        slot = tl.zeros((BLOCK_B,), tl.int64)  # the node (slot) whose children are tried
+        n = tl.zeros((BLOCK_B,), tl.int64)  # accepted nodes so far
+        path = tl.full((BLOCK_B, BLOCK_D), -1, tl.int64)
+        final = tl.zeros((BLOCK_B,), tl.int32)
+        active = in_b
+        sib = tl.zeros((BLOCK_B,), tl.int64)  # which child of slot is tried next
+        in_scratch = tl.zeros((BLOCK_B,), tl.int1)  # the current law is the scratch, not the target at slot
+        if N == 0:  # the root has no children: one bonus draw
+            top, final = _argmax_over_v(t_rows, stride_pv, noise_rows, stride_nv, in_b, 0, V, V, BLOCK_B, BLOCK_V, 1,
+                                        True)
+        for step in range(N):  # each step tries a node no earlier step tried, so N steps finish every row
+            child = tl.load(children_ptr + slot * W + sib, mask=active, other=-1)
+            c = tl.where(active, child, 0)
+            x = tl.load(x_rows + c * stride_dn, mask=active, other=0)
+            ok = active & (x >= 0) & (x < V)  # memory safety only: drafts must lie in [0, V)
+            t_row = t_rows + slot * stride_pk
+            q_row = q_rows + c * stride_qn
+            p_x = _law_at(t_row, s_rows, in_scratch, x, ok, stride_pv)
+            q_x = _draft_at(q_row, x, x, ok, stride_qv, HAS_Q)
+            u = tl.load(u_rows + c * stride_un, mask=active, other=1.0)
+            accept = active & (u * q_x < p_x)  # u < p/q without dividing
+            reject = active & ~accept
+            nxt = tl.load(children_ptr + slot * W + sib + 1, mask=reject & (sib + 1 < W), other=-1)
+            last = reject & (nxt < 0)
+            cont = reject & (nxt >= 0)
+            if tl.max(reject.to(tl.int32), axis=0) > 0:
+                final, in_scratch = _after_reject(t_row, s_rows, in_scratch, q_row, x, noise_rows, stride_pv,
+                                                  stride_qv, stride_nv, reject, last, cont, final, V, BLOCK_B,
+                                                  BLOCK_V, HAS_Q)
+            # accepted: record the node and move to it; a leaf ends the row with a bonus draw from its p
+            path = tl.where(accept[:, None] & (offs_d[None, :] == n[:, None]), child[:, None], path)
+            n += accept.to(tl.int64)
+            slot = tl.where(accept, child + 1, slot)
+            sib = tl.where(accept, 0, tl.where(cont, sib + 1, sib))
+            in_scratch = in_scratch & ~accept
+            leaf = accept & (tl.load(children_ptr + slot * W, mask=accept, other=0) < 0)
+            if tl.max(leaf.to(tl.int32), axis=0) > 0:
+                top, bonus = _argmax_over_v(t_rows + slot * stride_pk, stride_pv, noise_rows, stride_nv, leaf, 0,
+                                            V, V, BLOCK_B, BLOCK_V, 1, True)
+                final = tl.where(leaf, bonus, final)
+            active = active & ~(leaf | last)
+        return n, path, final
+
+    @triton.jit
     def _tree_verify_kernel(
         draft_tokens_ptr, draft_probs_ptr, target_probs_ptr, uniform_ptr, noise_ptr, children_ptr, scratch_ptr,
         num_accepted_ptr, path_ptr, tokens_ptr,
@@ -343,83 +437,21 @@ if triton is not None:
         rows = rows.to(tl.int64)
         t_rows = target_probs_ptr + rows * stride_pb
         noise_rows = noise_ptr + rows * stride_nb
-        offs_d = tl.arange(0, BLOCK_D)  # BLOCK_D >= D + 1
-        slot = tl.zeros((BLOCK_B,), tl.int64)  # the node (slot) whose children are tried
-        n = tl.zeros((BLOCK_B,), tl.int64)  # accepted nodes so far
-        path = tl.full((BLOCK_B, BLOCK_D), -1, tl.int64)
-        final = tl.zeros((BLOCK_B,), tl.int32)
-        active = in_b
-
+        x_rows = draft_tokens_ptr + rows * stride_db
         if GREEDY:
-            offs_w = tl.arange(0, BLOCK_W)
-            for step in range(D + 1):  # D moves down at most, then the row's last argmax
-                top, best = _argmax_over_v(t_rows + slot * stride_pk, stride_pv, noise_rows, stride_nv, active, 0,
-                                         V, V, BLOCK_B, BLOCK_V, 1, False)
-                kids = tl.load(children_ptr + slot[:, None] * W + offs_w[None, :],
-                               mask=active[:, None] & (offs_w < W)[None, :], other=-1)  # [BLOCK_B, BLOCK_W]
-                x = tl.load(draft_tokens_ptr + rows[:, None] * stride_db + kids * stride_dn, mask=kids >= 0, other=-1)
-                first = tl.min(tl.where((kids >= 0) & (x == best[:, None]), offs_w[None, :], BLOCK_W), axis=1)
-                found = first < BLOCK_W  # the first child carrying the argmax
-                child = tl.sum(tl.where(offs_w[None, :] == first[:, None], kids, 0), axis=1)
-                final = tl.where(active, best, final)
-                path = tl.where(found[:, None] & (offs_d[None, :] == n[:, None]), child[:, None], path)
-                n += found.to(tl.int64)
-                slot = tl.where(found, child + 1, slot)
-                active = found
+            n, path, final = _greedy_walk(t_rows, noise_rows, children_ptr, x_rows, stride_dn, stride_pk, stride_pv,
+                                          stride_nv, in_b, W, D, V, BLOCK_B, BLOCK_W, BLOCK_D, BLOCK_V)
         else:
-            s_rows = scratch_ptr + rows * V
-            q_rows = draft_probs_ptr + rows * stride_qb
-            sib = tl.zeros((BLOCK_B,), tl.int64)  # which child of slot is tried next
-            in_scratch = tl.zeros((BLOCK_B,), tl.int1)  # the current law is the scratch, not the target at slot
-            if N == 0:  # the root has no children: one bonus draw
-                top, final = _argmax_over_v(t_rows, stride_pv, noise_rows, stride_nv, in_b, 0, V, V, BLOCK_B, BLOCK_V,
-                                          1, True)
-            for step in range(N):  # each step tries a node no earlier step tried, so N steps finish every row
-                child = tl.load(children_ptr + slot * W + sib, mask=active, other=-1)
-                c = tl.where(active, child, 0)
-                x = tl.load(draft_tokens_ptr + rows * stride_db + c * stride_dn, mask=active, other=0)
-                ok = active & (x >= 0) & (x < V)  # memory safety only: drafts must lie in [0, V)
-                t_row = t_rows + slot * stride_pk
-                q_row = q_rows + c * stride_qn
-                p_x = _law_at(t_row, s_rows, in_scratch, x, ok, stride_pv)
-                q_x = _draft_at(q_row, x, x, ok, stride_qv, HAS_Q)
-                u = tl.load(uniform_ptr + rows * stride_ub + c * stride_un, mask=active, other=1.0)
-                accept = active & (u * q_x < p_x)  # u < p/q without dividing
-                reject = active & ~accept
-                # rejected: the residual is normalised for the next sibling, or the row ends with a draw from it
-                nxt = tl.load(children_ptr + slot * W + sib + 1, mask=reject & (sib + 1 < W), other=-1)
-                last = reject & (nxt < 0)
-                cont = reject & (nxt >= 0)
-                if tl.max(reject.to(tl.int32), axis=0) > 0:
-                    race, fallback, peak, fixed = _residual_pass(t_row, s_rows, in_scratch, q_row, x, noise_rows,
-                                                                 stride_pv, stride_qv, stride_nv, reject, V, BLOCK_B,
-                                                                 BLOCK_V, HAS_Q)
-                    final = tl.where(last, tl.where(peak <= 0.0, fallback, race), final)
-                    renorm = cont & (fixed > 0)
-                    mass = tl.where(renorm, fixed.to(tl.float32) * UNFIX, 1.0)
-                    _store_normalised(t_row, s_rows, in_scratch, q_row, x, mass, stride_pv, stride_qv, renorm, V,
-                                      BLOCK_V, HAS_Q)
-                    tl.debug_barrier()  # the scratch is read back by other lanes (the gather at the next token)
-                    in_scratch = in_scratch | renorm
-                # accepted: record the node and move to it; a leaf ends the row with a bonus draw from its p
-                path = tl.where(accept[:, None] & (offs_d[None, :] == n[:, None]), child[:, None], path)
-                n += accept.to(tl.int64)
-                slot = tl.where(accept, child + 1, slot)
-                sib = tl.where(accept, 0, tl.where(cont, sib + 1, sib))
-                in_scratch = in_scratch & ~accept
-                leaf = accept & (tl.load(children_ptr + slot * W, mask=accept, other=0) < 0)
-                if tl.max(leaf.to(tl.int32), axis=0) > 0:
-                    top, bonus = _argmax_over_v(t_rows + slot * stride_pk, stride_pv, noise_rows, stride_nv, leaf, 0,
-                                              V, V, BLOCK_B, BLOCK_V, 1, True)
-                    final = tl.where(leaf, bonus, final)
-                active = active & ~(leaf | last)
-
+            n, path, final = _sampled_walk(t_rows, scratch_ptr + rows * V, draft_probs_ptr + rows * stride_qb,
+                                           uniform_ptr + rows * stride_ub, noise_rows, children_ptr, x_rows, stride_dn,
+                                           stride_qn, stride_qv, stride_pk, stride_pv, stride_un, stride_nv, in_b, N,
+                                           W, V, BLOCK_B, BLOCK_D, BLOCK_V, HAS_Q)
         # outputs: the path, its length, and the emitted tokens (the path's drafts, the final token, then -1)
+        offs_d = tl.arange(0, BLOCK_D)  # BLOCK_D >= D + 1
         tl.store(num_accepted_ptr + rows, n, mask=in_b)
         tl.store(path_ptr + rows[:, None] * stride_ab + offs_d[None, :] * stride_ad, path,
                  mask=in_b[:, None] & (offs_d < D)[None, :])
-        drafted = tl.load(draft_tokens_ptr + rows[:, None] * stride_db + path * stride_dn,
-                          mask=in_b[:, None] & (path >= 0), other=-1)
+        drafted = tl.load(x_rows[:, None] + path * stride_dn, mask=in_b[:, None] & (path >= 0), other=-1)
         tokens = tl.where(offs_d[None, :] == n[:, None], final[:, None].to(tl.int64), drafted)
         tl.store(tokens_ptr + rows[:, None] * stride_tb + offs_d[None, :] * stride_tk, tokens,
                  mask=in_b[:, None] & (offs_d < D + 1)[None, :])

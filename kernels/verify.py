@@ -209,6 +209,22 @@ if triton is not None:
         return top, top_idx, tl.max(mass, axis=1), fb_top, fb_top_idx
 
     @triton.jit
+    def _resample(p_n, stride_pv, q_n, stride_qv, x_n, has_draft, noise_rows, stride_nv, in_b, V: tl.constexpr,
+                  BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_Q: tl.constexpr):
+        """The token emitted at n over the whole vocabulary: the residual max(0, p_n - q_n) raced against the noise
+        (q_n = 0 at the bonus position n == K), or p_n's race where the residual is empty (p == q; a second pass
+        over V, run only when some row needs it)."""
+        w_max, final, mass, fb_max, fb_idx = _residual_race(p_n, stride_pv, q_n, stride_qv, x_n, has_draft, noise_rows,
+                                                            stride_nv, in_b, 0, V, V, BLOCK_B, BLOCK_V, NUM_STAGES,
+                                                            HAS_Q, False)
+        empty = in_b & (mass <= 0.0)
+        if tl.max(empty.to(tl.int32), axis=0) > 0:
+            fb_max, fallback = _argmax_over_v(p_n, stride_pv, noise_rows, stride_nv, empty, 0, V, V, BLOCK_B, BLOCK_V,
+                                              NUM_STAGES, True)
+            final = tl.where(empty, fallback, final)
+        return final
+
+    @triton.jit
     def _greedy_step(best_k, x_k, k, K, n, final, active):
         """One position k of the greedy walk: active rows emit argmax p_k and go on while it equals their draft."""
         final = tl.where(active, best_k, final)
@@ -222,6 +238,63 @@ if triton is not None:
         pos = offs_k[None, :]
         tokens = tl.where(pos < n[:, None], x, tl.where(pos == n[:, None], final[:, None].to(tl.int64), -1))
         tl.store(tokens_ptr + rows[:, None] * stride_tb + pos * stride_tk, tokens, mask=in_b[:, None] & (pos < K + 1))
+
+    # -- the split kernel's partials, one program's chunk of V, and their reduction by the last program ----------
+
+    @triton.jit
+    def _greedy_partials(p_rows, stride_pk, stride_pv, noise_rows, stride_nv, in_b, v_start, val, idx, K,
+                         V: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr,
+                         NUM_STAGES: tl.constexpr):
+        """Slot k of the partials (val, idx [BLOCK_B] pointers) = max of p_k over this chunk and its lowest index, for
+        every position k <= K (which position n is needed is only known once all chunks are in)."""
+        k = 0
+        while k <= K:  # a while loop: a runtime range() bound breaks the interpreter on numpy >= 2.4
+            top, at = _argmax_over_v(p_rows + k * stride_pk, stride_pv, noise_rows, stride_nv, in_b, v_start,
+                                     V, CHUNK, BLOCK_B, BLOCK_V, NUM_STAGES, False)
+            tl.store(val + k, top, mask=in_b)
+            tl.store(idx + k, at, mask=in_b)
+            k += 1
+
+    @triton.jit
+    def _store_sampled_partials(val, idx, in_b, top, top_idx, mass, fb_top, fb_idx):
+        """Sampled slots: 0 = the residual's race (max of w / noise, its lowest index), 1 = max of w, 2 = p_n's race."""
+        tl.store(val, top, mask=in_b)
+        tl.store(idx, top_idx, mask=in_b)
+        tl.store(val + 1, mass, mask=in_b)
+        tl.store(val + 2, fb_top, mask=in_b)
+        tl.store(idx + 2, fb_idx, mask=in_b)
+
+    @triton.jit
+    def _reduce_greedy(vals, idxs, in_bc, in_b, x_rows, stride_dk, K, BLOCK_B: tl.constexpr):
+        """(n, final) of the greedy walk over every chunk's slot-k maxima (vals, idxs [BLOCK_B, BLOCK_C] pointers):
+        the lowest index among the chunk maxima equal to the overall one is the reference's argmax (chunks cover
+        disjoint index ranges)."""
+        n = tl.zeros((BLOCK_B,), tl.int32)
+        final = tl.zeros((BLOCK_B,), tl.int32)
+        active = in_b
+        k = 0
+        while k <= K:
+            c_vals = tl.load(vals + k, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
+            c_idx = tl.load(idxs + k, mask=in_bc, other=2147483647, cache_modifier=".cg")
+            top, best_k = _lowest_argmax(c_vals, c_idx)
+            x_k = tl.load(x_rows + k * stride_dk, mask=active & (k < K), other=-1)
+            n, final, active = _greedy_step(best_k, x_k, k, K, n, final, active)
+            k += 1
+        return n, final
+
+    @triton.jit
+    def _reduce_sampled(vals, idxs, in_bc):
+        """The emitted token from every chunk's sampled slots: the residual's race, or p_n's where the residual is
+        empty everywhere (p == q)."""
+        c_vals = tl.load(vals, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
+        c_idx = tl.load(idxs, mask=in_bc, other=2147483647, cache_modifier=".cg")
+        top, final = _lowest_argmax(c_vals, c_idx)
+        c_mass = tl.load(vals + 1, mask=in_bc, other=0.0, cache_modifier=".cg")
+        empty = tl.max(c_mass, axis=1) <= 0.0
+        c_vals = tl.load(vals + 2, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
+        c_idx = tl.load(idxs + 2, mask=in_bc, other=2147483647, cache_modifier=".cg")
+        fb_top, fallback = _lowest_argmax(c_vals, c_idx)
+        return tl.where(empty, fallback, final)
 
     # -- the kernels -----------------------------------------------------------------------------------
 
@@ -270,18 +343,11 @@ if triton is not None:
         else:
             n = _accept_test(x, p_rows, stride_pk, stride_pv, draft_probs_ptr + rows * stride_qb, stride_qk, stride_qv,
                              uniform_ptr + rows * stride_ub, stride_uk, offs_k, in_bk, K, V, BLOCK_B, BLOCK_K, HAS_Q)
-            # residual max(0, p_n - q_n) raced against the noise; q_n = 0 at the bonus position n == K
             has_draft = in_b & (n < K)
             x_n = tl.load(draft_tokens_ptr + rows * stride_db + n * stride_dk, mask=has_draft, other=-1)
-            p_n = p_rows + n * stride_pk
-            w_max, final, mass, fb_max, fb_idx = _residual_race(  # no fall-back race here: only when it is needed
-                p_n, stride_pv, draft_probs_ptr + rows * stride_qb + n * stride_qk, stride_qv, x_n, has_draft,
-                noise_rows, stride_nv, in_b, 0, V, V, BLOCK_B, BLOCK_V, NUM_STAGES, HAS_Q, False)
-            empty = in_b & (mass <= 0.0)  # p == q: the residual is empty; fall back to p_n
-            if tl.max(empty.to(tl.int32), axis=0) > 0:
-                fb_max, fallback = _argmax_over_v(p_n, stride_pv, noise_rows, stride_nv, empty, 0, V, V, BLOCK_B,
-                                                  BLOCK_V, NUM_STAGES, True)
-                final = tl.where(empty, fallback, final)
+            final = _resample(p_rows + n * stride_pk, stride_pv, draft_probs_ptr + rows * stride_qb + n * stride_qk,
+                              stride_qv, x_n, has_draft, noise_rows, stride_nv, in_b, V, BLOCK_B, BLOCK_V, NUM_STAGES,
+                              HAS_Q)
 
         _store_outputs(num_accepted_ptr, tokens_ptr, stride_tb, stride_tk, rows, in_b, offs_k, x, n, final, K)
 
@@ -302,12 +368,9 @@ if triton is not None:
         """The same result with V split over programs: grid (row blocks, n_chunks), one launch.
 
         Each program redoes its rows' accept test (K gathered loads), reduces its CHUNK of the vocabulary to
-        partials in part_val/part_idx [B, n_chunks, SLOTS], and bumps its row block's counter; the program that
-        bumps it last reduces the n_chunks partials and writes the outputs. Sampled slots: 0 = max of w / noise and
-        its lowest index, 1 = max of the residual w (empty when <= 0), 2 = max of p_n / noise and its lowest index
-        (the fall-back). Greedy: slot k = max of p_k and its lowest index, for every position k <= K (which
-        position n is needed is only known once all chunks are in). Chunks cover disjoint index ranges, so the
-        lowest index among the chunk maxima that equal the overall maximum is the reference's argmax.
+        partials in part_val/part_idx [B, n_chunks, SLOTS] (`_greedy_partials`, `_store_sampled_partials`), and
+        bumps its row block's counter; the program that bumps it last reduces the n_chunks partials
+        (`_reduce_greedy`, `_reduce_sampled`) and writes the outputs.
         """
         pid_b = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -323,13 +386,8 @@ if triton is not None:
         part = (rows * n_chunks + chunk) * SLOTS  # [BLOCK_B]: this program's partials
 
         if GREEDY:
-            k = 0
-            while k <= K:  # a while loop: a runtime range() bound breaks the interpreter on numpy >= 2.4
-                top, idx = _argmax_over_v(p_rows + k * stride_pk, stride_pv, noise_rows, stride_nv, in_b, v_start,
-                                          V, CHUNK, BLOCK_B, BLOCK_V, NUM_STAGES, False)
-                tl.store(part_val_ptr + part + k, top, mask=in_b)
-                tl.store(part_idx_ptr + part + k, idx, mask=in_b)
-                k += 1
+            _greedy_partials(p_rows, stride_pk, stride_pv, noise_rows, stride_nv, in_b, v_start, part_val_ptr + part,
+                             part_idx_ptr + part, K, V, CHUNK, BLOCK_B, BLOCK_V, NUM_STAGES)
         else:
             n = _accept_test(x, p_rows, stride_pk, stride_pv, draft_probs_ptr + rows * stride_qb, stride_qk, stride_qv,
                              uniform_ptr + rows * stride_ub, stride_uk, offs_k, in_bk, K, V, BLOCK_B, BLOCK_K, HAS_Q)
@@ -338,11 +396,7 @@ if triton is not None:
             top, idx, mass, fb_top, fb_idx = _residual_race(
                 p_rows + n * stride_pk, stride_pv, draft_probs_ptr + rows * stride_qb + n * stride_qk, stride_qv, x_n,
                 has_draft, noise_rows, stride_nv, in_b, v_start, V, CHUNK, BLOCK_B, BLOCK_V, NUM_STAGES, HAS_Q, True)
-            tl.store(part_val_ptr + part, top, mask=in_b)
-            tl.store(part_idx_ptr + part, idx, mask=in_b)
-            tl.store(part_val_ptr + part + 1, mass, mask=in_b)
-            tl.store(part_val_ptr + part + 2, fb_top, mask=in_b)
-            tl.store(part_idx_ptr + part + 2, fb_idx, mask=in_b)
+            _store_sampled_partials(part_val_ptr + part, part_idx_ptr + part, in_b, top, idx, mass, fb_top, fb_idx)
 
         # all of this program's partial stores happen before its counter bump (barrier, then a release at gpu
         # scope); the last program's acquire then sees every chunk's partials (read past L1: .cg)
@@ -353,27 +407,10 @@ if triton is not None:
             in_bc = in_b[:, None] & (offs_c < n_chunks)[None, :]  # [BLOCK_B, BLOCK_C]
             parts = (rows[:, None] * n_chunks + offs_c[None, :]) * SLOTS
             if GREEDY:
-                n = tl.zeros((BLOCK_B,), tl.int32)
-                final = tl.zeros((BLOCK_B,), tl.int32)
-                active = in_b
-                c_k = 0
-                while c_k <= K:
-                    c_vals = tl.load(part_val_ptr + parts + c_k, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
-                    c_idx = tl.load(part_idx_ptr + parts + c_k, mask=in_bc, other=2147483647, cache_modifier=".cg")
-                    c_top, c_best_k = _lowest_argmax(c_vals, c_idx)
-                    c_x_k = tl.load(draft_tokens_ptr + rows * stride_db + c_k * stride_dk, mask=active & (c_k < K), other=-1)
-                    n, final, active = _greedy_step(c_best_k, c_x_k, c_k, K, n, final, active)
-                    c_k += 1
+                n, final = _reduce_greedy(part_val_ptr + parts, part_idx_ptr + parts, in_bc, in_b,
+                                          draft_tokens_ptr + rows * stride_db, stride_dk, K, BLOCK_B)
             else:
-                c_vals = tl.load(part_val_ptr + parts, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
-                c_idx = tl.load(part_idx_ptr + parts, mask=in_bc, other=2147483647, cache_modifier=".cg")
-                c_top, final = _lowest_argmax(c_vals, c_idx)
-                c_mass = tl.load(part_val_ptr + parts + 1, mask=in_bc, other=0.0, cache_modifier=".cg")
-                empty = tl.max(c_mass, axis=1) <= 0.0  # p == q: the residual is empty; fall back to p_n
-                c_vals = tl.load(part_val_ptr + parts + 2, mask=in_bc, other=float("-inf"), cache_modifier=".cg")
-                c_idx = tl.load(part_idx_ptr + parts + 2, mask=in_bc, other=2147483647, cache_modifier=".cg")
-                c_top, c_fallback = _lowest_argmax(c_vals, c_idx)
-                final = tl.where(empty, c_fallback, final)
+                final = _reduce_sampled(part_val_ptr + parts, part_idx_ptr + parts, in_bc)
             _store_outputs(num_accepted_ptr, tokens_ptr, stride_tb, stride_tk, rows, in_b, offs_k, x, n, final, K)
 
     @functools.lru_cache(maxsize=None)
