@@ -12,7 +12,9 @@ accepted while it equals the target's argmax) and the expected tokens per forwar
 of the product of sum_v min(p, q) of the first k passes, along the sampled answer; q at the head's draft
 temperature, or at each of --draft-temperatures). Online, the engine drafts with the head alone at each K of
 --online-k (greedy, cold; with --online-sampled at --temperature instead): tokens per forward and tok/s against
-own plain.
+own plain (on the CPU the head ends a chain early where one more token does not pay: `--fixed-chains` keeps K).
+`--precision gguf` runs the target on the file's 4-bit weights throughout (the answers, the features and argmax
+the head is scored on, the online runs), the head beside it as the engine runs it there (Q8_0 products).
 Several --head folders are compared on the same answers. Writes JSON under benchmarks/results/ and prints a
 table. Numbers, not assertions.
 """
@@ -22,17 +24,18 @@ import argparse
 import json
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from statistics import mean
 
 import torch
 
-from flashspec_core import Engine, SamplingConfig
+from flashspec_core import Engine, SamplingConfig, native
 from flashspec_core.draft_head import load_head
 from flashspec_core.drafters import DraftHeadDrafter
 from flashspec_core.engine import HEADS
-from flashspec_core.models import load_model, pick_device, pick_dtype
-from flashspec_core.train_head import agreement, target_side
+from flashspec_core.models import embedded_gguf, load_model, pick_device, pick_dtype
+from flashspec_core.train_head import agreement, draft_side, target_side
 
 from benchmarks.run import GREEDY, RESULTS, ROOT, environment, run_engine
 
@@ -51,13 +54,26 @@ def load_prompts(name: str, head_folder: Path, n: int | None) -> list[dict]:
     return rows[:n] if n else rows
 
 
+def static_side(target):
+    """`target_side` on a `StaticCausalLM` (the GGUF path's target): its aux features and its logits over ids."""
+    @torch.inference_mode()
+    def side(ids, aux_layers, draft_ids, temperature=1.0):
+        target.aux_layers = tuple(aux_layers)
+        target.reset()
+        logits = target.forward(ids, logits_to_keep=0)
+        features = target.aux.float()
+        target.reset()
+        return features, *draft_side(logits, draft_ids, temperature)
+    return side
+
+
 @torch.no_grad()
-def teacher_forced(model, head, prompt_ids: list[int], answer: list[int], K: int,
+def teacher_forced(side, head, prompt_ids: list[int], answer: list[int], K: int,
                    temperature: float = 1.0) -> dict[str, torch.Tensor]:
     """Per answer slot: hits [S, K] (pass j's argmax equals the target's) and alphas [S, K] (sum_v min(p, q), p at
-    `temperature`, q at it times the head's draft temperature)."""
-    ids = torch.tensor([prompt_ids + answer], device=model.device)
-    features, probs, top = target_side(model, ids, head.cfg.aux_layers, head.draft_ids, temperature)
+    `temperature`, q at it times the head's draft temperature). side: `target_side` of a model, or `static_side`."""
+    ids = torch.tensor([prompt_ids + answer], device=head.d2t.device)
+    features, probs, top = side(ids, head.cfg.aux_layers, head.draft_ids, temperature)
     outs = head.ttt_forward(features.to(head.fc.weight.dtype), ids, K)
     start, L = len(prompt_ids), ids.shape[1]
     slots = torch.arange(max(0, start - 1), max(0, L - 1 - K), device=ids.device)  # first draft after the bonus token
@@ -93,15 +109,15 @@ def chain(x: torch.Tensor, K: int) -> float:
     return float((1 + x[:, :K].cumprod(-1).sum(-1)).mean()) if len(x) else float("nan")
 
 
-def measure_prompt(engine: Engine, model, heads: dict, row: dict, args) -> dict:
+def measure_prompt(engine: Engine, side, heads: dict, row: dict, args) -> dict:
     prompt_ids = engine.encode(row["prompt"])
     plain = run_engine(engine, row["prompt"], args.max_new_tokens, args.seed, mode="plain")
     sampling = SamplingConfig(temperature=args.temperature)
     sampled = run_engine(engine, row["prompt"], args.max_new_tokens, args.seed, sampling, mode="plain")
     out = {**row, "plain_tok_per_s": plain["tok_per_s"], "answer_tokens": len(plain["ids"]), "heads": {}}
     for name, (head, head_engine) in heads.items():
-        g = teacher_forced(model, head, prompt_ids, plain["ids"], max(KS))
-        s = teacher_forced(model, head, prompt_ids, sampled["ids"], max(KS), args.temperature)
+        g = teacher_forced(side, head, prompt_ids, plain["ids"], max(KS))
+        s = teacher_forced(side, head, prompt_ids, sampled["ids"], max(KS), args.temperature)
         r = {"top1": float(g["hits"][:, 0].mean()) if len(g["hits"]) else float("nan"),
              **{f"tf_greedy_k{k}": chain(g["hits"], k) for k in KS},
              **{f"{sampled_key(args.temperature)}_k{k}": chain(s["alphas"], k) for k in KS}}
@@ -148,6 +164,27 @@ def table(summary: dict, online_k: list[int], temperature: float, online_sampled
     return "\n".join(lines + [f"chance that a token drawn at temperature {temperature:g} is accepted: " + "; ".join(fits)])
 
 
+def load_heads(folders: list[Path], model, tokenizer, args) -> dict:
+    """folder name (@ draft temperature) -> (head, an engine drafting with it alone): on the float32 path, or with
+    --precision gguf beside the 4-bit target as the engine runs it there (float32 head, packed Q8_0 products)."""
+    gguf = embedded_gguf(model.config) if args.precision == "gguf" else None
+    packed = gguf is not None and native.load() and torch.ops.flashspec.vnni()
+    embed = model.get_input_embeddings().weight
+    heads = {}
+    taus = [float(t) for t in args.draft_temperatures.split(",") if t] or [None]
+    for f, tau in ((f, tau) for f in folders for tau in taus):
+        head = load_head(f, model.config, embed, dtype=torch.float32 if packed else embed.dtype)
+        head.cfg = head.cfg if tau is None else replace(head.cfg, draft_temperature=tau)
+        if packed:
+            head.pack(native=True)
+        drafter = DraftHeadDrafter(head, model.config.vocab_size, HEADS["embedded"].vocab_limit)
+        drafter.sets_length = drafter.sets_length and not args.fixed_chains
+        name = f.parent.name + "/" + f.name + ("" if tau is None else f"@{tau:g}")
+        heads[name] = (head, Engine.from_models(model, [drafter], tokenizer=tokenizer, name="embedded", gguf=gguf))
+        run_engine(heads[name][1], "Hello!", 8, args.seed, drafters=["draft_head"], gamma=4)  # warm-up
+    return heads
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", action="append", help="an EAGLE-3 head folder (repeat to compare); default: the shipped one")
@@ -159,42 +196,39 @@ def main(argv=None) -> int:
                     "(e.g. 0.9,1.0; default: each head's own)")
     ap.add_argument("--temperature", type=float, default=1.0, help="of the sampled answers and their p and q")
     ap.add_argument("--online-sampled", action="store_true", help="online runs sample at --temperature (not greedy)")
+    ap.add_argument("--fixed-chains", action="store_true", help="online chains of exactly K (on the CPU the head "
+                    "otherwise ends a chain early where one more token is not worth its measured cost)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--precision", choices=["float32", "gguf"], default="float32",
+                    help="the target's path: gguf = the file's 4-bit weights (answers, features and online runs)")
     ap.add_argument("--tag", default="", help="suffix of the result file")
     args = ap.parse_args(argv)
     args.online_k = [int(k) for k in args.online_k.split(",") if k]
     folders = [Path(h) for h in args.head or [HEADS["embedded"].folder]]
     device = pick_device(args.device)
     model, tokenizer = load_model("embedded", device, pick_dtype("auto", device))
-    embed = model.get_input_embeddings().weight
-    heads = {}  # folder name (@ draft temperature) -> (head, an engine drafting with it alone)
-    taus = [float(t) for t in args.draft_temperatures.split(",") if t] or [None]
-    for f, tau in ((f, tau) for f in folders for tau in taus):
-        head = load_head(f, model.config, embed, dtype=embed.dtype)
-        head.cfg = head.cfg if tau is None else replace(head.cfg, draft_temperature=tau)
-        drafter = DraftHeadDrafter(head, model.config.vocab_size, HEADS["embedded"].vocab_limit)
-        name = f.parent.name + "/" + f.name + ("" if tau is None else f"@{tau:g}")
-        heads[name] = (head, Engine.from_models(model, [drafter], tokenizer=tokenizer, name="embedded"))
-        run_engine(heads[name][1], "Hello!", 8, args.seed, drafters=["draft_head"], gamma=4)  # warm-up
+    heads = load_heads(folders, model, tokenizer, args)
     engine = next(iter(heads.values()))[1]
+    side = static_side(engine.target) if args.precision == "gguf" else partial(target_side, model)
     rows = []
     for set_name in args.sets.split(","):
         n = args.heldout if set_name == "heldout" else args.prompts
         for row in load_prompts(set_name, folders[0], n or None):
-            rows.append({"set": set_name, **measure_prompt(engine, model, heads, row, args)})
+            rows.append({"set": set_name, **measure_prompt(engine, side, heads, row, args)})
             h = rows[-1]["heads"]
             print(f"{set_name:8s} {row['kind']:16s} " + " ".join(
                 f"{name}: top1 {r['top1']:.2f} tf6 {r['tf_greedy_k6']:.2f}" for name, r in h.items()), flush=True)
     summary = summarize(rows)
     env = environment()
     payload = {"command": "python -m benchmarks.head " + " ".join(sys.argv[1:] if argv is None else argv),
-               "heads": [str(f) for f in folders], "temperature": args.temperature,
+               "heads": [str(f) for f in folders], "precision": args.precision, "temperature": args.temperature,
                "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                "env": env, "summary": summary, "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"head_embedded_{'cuda' if env['cuda'] else 'cpu'}{'_' + args.tag if args.tag else ''}.json"
+    where = ("cuda" if env["cuda"] else "cpu") + ("_gguf" if args.precision == "gguf" else "")
+    out = RESULTS / f"head_embedded_{where}{'_' + args.tag if args.tag else ''}.json"
     out.write_text(json.dumps(payload, indent=1))
     print(f"{env['cuda'] or env['machine']}, torch {env['torch']}, commit {env['commit']}; {out.relative_to(ROOT)}")
     print(table(summary, args.online_k, args.temperature, args.online_sampled))

@@ -113,10 +113,13 @@ def target_side(model, ids: torch.Tensor, aux_layers, draft_ids: torch.Tensor, t
     no full-width softmax is written) and its argmax over the whole vocabulary [B, T]."""
     out = model(input_ids=ids, output_hidden_states=True)
     features = torch.cat([out.hidden_states[i] for i in aux_layers], dim=-1).float()
-    logits = out.logits
+    return features, *draft_side(out.logits, draft_ids, temperature)
+
+
+def draft_side(logits: torch.Tensor, draft_ids: torch.Tensor, temperature: float = 1.0):
+    """(`target_side`'s distribution on the draft vocabulary, its argmax over the whole vocabulary) from logits."""
     lse = torch.logsumexp(logits.float() / temperature, dim=-1, keepdim=True)
-    probs = (logits[..., draft_ids].float() / temperature - lse).exp()
-    return features, probs, logits.argmax(dim=-1)
+    return (logits[..., draft_ids].float() / temperature - lse).exp(), logits.argmax(dim=-1)
 
 
 def valid(lengths, starts, T: int, j: int) -> torch.Tensor:
