@@ -321,6 +321,16 @@ if triton is not None:
             tl.store(s_row[:, None] + v[None, :], tl.math.div_rn(tl.maximum(p - q, 0.0), mass[:, None]), mask=m)
 
     @triton.jit
+    def _walk_start(in_b, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
+        """A walk's state at the root: the node whose children are tried (slot 0), no accepted nodes, an empty path,
+        the final token, and the rows still walking."""
+        slot = tl.zeros((BLOCK_B,), tl.int64)
+        n = tl.zeros((BLOCK_B,), tl.int64)
+        path = tl.full((BLOCK_B, BLOCK_D), -1, tl.int64)
+        final = tl.zeros((BLOCK_B,), tl.int32)
+        return slot, n, path, final, in_b
+
+    @triton.jit
     def _greedy_walk(t_rows, noise_rows, children_ptr, x_rows, stride_dn, stride_pk, stride_pv, stride_nv, in_b,
                      W: tl.constexpr, D: tl.constexpr, V: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_W: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -328,11 +338,7 @@ if triton is not None:
         the last argmax is the final token."""
         offs_d = tl.arange(0, BLOCK_D)
         offs_w = tl.arange(0, BLOCK_W)
-        slot = tl.zeros((BLOCK_B,), tl.int64)  # the node (slot) whose children are tried
-        n = tl.zeros((BLOCK_B,), tl.int64)  # accepted nodes so far
-        path = tl.full((BLOCK_B, BLOCK_D), -1, tl.int64)
-        final = tl.zeros((BLOCK_B,), tl.int32)
-        active = in_b
+        slot, n, path, final, active = _walk_start(in_b, BLOCK_B, BLOCK_D)
         for step in range(D + 1):  # D moves down at most, then the row's last argmax
             top, best = _argmax_over_v(t_rows + slot * stride_pk, stride_pv, noise_rows, stride_nv, active, 0,
                                        V, V, BLOCK_B, BLOCK_V, 1, False)
@@ -371,11 +377,7 @@ if triton is not None:
         """(n, path, final): each row tries its node's children in order, accepting one with min(1, p / q) against
         the law at the node (the target's, or the residual left by rejected siblings); a leaf ends with a bonus."""
         offs_d = tl.arange(0, BLOCK_D)
-        slot = tl.zeros((BLOCK_B,), tl.int64)  # the node (slot) whose children are tried
-        n = tl.zeros((BLOCK_B,), tl.int64)  # accepted nodes so far
-        path = tl.full((BLOCK_B, BLOCK_D), -1, tl.int64)
-        final = tl.zeros((BLOCK_B,), tl.int32)
-        active = in_b
+        slot, n, path, final, active = _walk_start(in_b, BLOCK_B, BLOCK_D)
         sib = tl.zeros((BLOCK_B,), tl.int64)  # which child of slot is tried next
         in_scratch = tl.zeros((BLOCK_B,), tl.int1)  # the current law is the scratch, not the target at slot
         if N == 0:  # the root has no children: one bonus draw
