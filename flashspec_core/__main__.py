@@ -12,7 +12,7 @@ COLOURS = {"accepted": "\033[32m", "resampled": "\033[33m", "bonus": "\033[36m",
 RESET = "\033[0m"
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m flashspec_core", description=__doc__)
     ap.add_argument("prompt")
     ap.add_argument("--preset", default="embedded", choices=sorted(PRESETS))
@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--gamma", default="auto", help="K in 0..32, or auto")
+    ap.add_argument("--gamma", default="auto", type=_gamma, help="K in 0..32, or auto")
     ap.add_argument("--mode", default="speculative", choices=["speculative", "plain"])
     ap.add_argument("--bandit", default="ucb1", choices=["ucb1", "thompson", "window"])
     ap.add_argument("--backend", default="auto", choices=["torch", "triton", "auto"])
@@ -31,42 +31,67 @@ def main(argv=None) -> int:
                          "dequantised; auto = gguf where it can run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-color", action="store_true", help="plain text, no ANSI colours")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _gamma(value: str):
+    if value == "auto":
+        return value
     try:
-        gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
-        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-        if args.target:
-            engine = Engine.from_pretrained(args.target, args.drafters or ["prompt_lookup", "ngram_cache"],
-                                            kernel_backend=args.backend, bandit=args.bandit, precision=args.precision,
-                                            progress=_progress)
-        else:
-            engine = Engine.from_preset(args.preset, kernel_backend=args.backend, bandit=args.bandit,
-                                        precision=args.precision, progress=_progress)
-        _progress(f"target precision: {engine.precision} ({engine.target.path})")
-        events = []
-        for event in engine.stream(args.prompt, args.max_new_tokens, sampling, gamma=gamma, mode=args.mode, seed=args.seed):
-            events.append(event)
-            for span in event.spans:
-                if span.id in engine.eos_ids and span.kind != "rejected":
-                    continue  # the end-of-turn token ends the text; it is not printed as "<|im_end|>"
-                if args.no_color:
-                    text = "" if span.kind == "rejected" else span.text
-                else:
-                    text = COLOURS[span.kind] + span.text + RESET
-                sys.stdout.write(text)
-            sys.stdout.flush()
-    except ValueError as e:  # bad input and unavailable models are ValueErrors with a clear message
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"K must be an integer or auto, got {value!r}") from None
+
+
+def build_engine(args) -> Engine:
+    """The preset's engine, or --target with --drafters."""
+    if args.target:
+        return Engine.from_pretrained(args.target, args.drafters or ["prompt_lookup", "ngram_cache"],
+                                      kernel_backend=args.backend, bandit=args.bandit, precision=args.precision,
+                                      progress=_progress)
+    return Engine.from_preset(args.preset, kernel_backend=args.backend, bandit=args.bandit, precision=args.precision,
+                              progress=_progress)
+
+
+def write_spans(event, eos_ids, color: bool) -> None:
+    """A round's text as it streams: coloured by span kind, or plain text without the rejected drafts."""
+    for span in event.spans:
+        if span.id in eos_ids and span.kind != "rejected":
+            continue  # the end-of-turn token ends the text; it is not printed as "<|im_end|>"
+        if color:
+            sys.stdout.write(COLOURS[span.kind] + span.text + RESET)
+        elif span.kind != "rejected":
+            sys.stdout.write(span.text)
+    sys.stdout.flush()
+
+
+def print_stats(events, color: bool) -> None:
     from flashspec_core.engine import summarize
 
     stats = summarize(events)
     print("\n")
-    if not args.no_color:
+    if color:
         print("legend: " + " ".join(f"{c}{k}{RESET}" for k, c in COLOURS.items() if k != "plain"))
     print(f"{stats['new_tokens']} tokens in {stats['elapsed_s']:.2f} s = {stats['tok_per_s']:.1f} tok/s | "
           f"acceptance {stats['acceptance']:.2f} | {stats['tokens_per_forward']:.2f} tokens per target forward | "
           f"{stats['target_forwards']} target forwards | arms {stats['pulls']}")
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    events = []
+    try:
+        sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        engine = build_engine(args)
+        _progress(f"target precision: {engine.precision} ({engine.target.path})")
+        for event in engine.stream(args.prompt, args.max_new_tokens, sampling, gamma=args.gamma, mode=args.mode,
+                                   seed=args.seed):
+            events.append(event)
+            write_spans(event, engine.eos_ids, not args.no_color)
+    except ValueError as e:  # bad input and unavailable models are ValueErrors with a clear message
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_stats(events, not args.no_color)
     return 0
 
 
