@@ -30,10 +30,8 @@ from statistics import mean
 
 import torch
 
-from flashspec_core import Engine, SamplingConfig, native
-from flashspec_core.draft_head import load_head
-from flashspec_core.drafters import DraftHeadDrafter
-from flashspec_core.engine import HEADS
+from flashspec_core import Engine, SamplingConfig
+from flashspec_core.engine import HEADS, head_for
 from flashspec_core.models import embedded_gguf, load_model, pick_device, pick_dtype
 from flashspec_core.train_head import agreement, draft_side, target_side
 
@@ -166,18 +164,14 @@ def table(summary: dict, online_k: list[int], temperature: float, online_sampled
 
 def load_heads(folders: list[Path], model, tokenizer, args) -> dict:
     """folder name (@ draft temperature) -> (head, an engine drafting with it alone): on the float32 path, or with
-    --precision gguf beside the 4-bit target as the engine runs it there (float32 head, packed Q8_0 products)."""
+    --precision gguf beside the 4-bit target as the engine runs it there (`head_for`'s packed products)."""
     gguf = embedded_gguf(model.config) if args.precision == "gguf" else None
-    packed = gguf is not None and native.load() and torch.ops.flashspec.vnni()
-    embed = model.get_input_embeddings().weight
     heads = {}
     taus = [float(t) for t in args.draft_temperatures.split(",") if t] or [None]
     for f, tau in ((f, tau) for f in folders for tau in taus):
-        head = load_head(f, model.config, embed, dtype=torch.float32 if packed else embed.dtype)
+        drafter = head_for("embedded", model, packed=gguf is not None, folder=f)
+        head = drafter.head
         head.cfg = head.cfg if tau is None else replace(head.cfg, draft_temperature=tau)
-        if packed:
-            head.pack(native=True)
-        drafter = DraftHeadDrafter(head, model.config.vocab_size, HEADS["embedded"].vocab_limit)
         drafter.sets_length = drafter.sets_length and not args.fixed_chains
         name = f.parent.name + "/" + f.name + ("" if tau is None else f"@{tau:g}")
         heads[name] = (head, Engine.from_models(model, [drafter], tokenizer=tokenizer, name="embedded", gguf=gguf))

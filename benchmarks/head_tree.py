@@ -3,11 +3,12 @@ no target forward.
 
     python -m benchmarks.head_tree [--prompts 3] [--reps 10] [--float32]
 
-The embedded model's head as the CPU engine runs it (bfloat16 with int8 products, its 12288-id draft vocabulary;
---float32 for the float32 head), observed over the first --prompts hand-written open prompts
-(`benchmarks/open_prompts.json`, the prompt text as is). Each row is the median over prompts and --reps calls of
-`propose(rows, 6)` or `propose_tree(rows, depth, top_k, size)` from the same state (the first call warms up), with
-the tree's drafted depth and the head steps it ran (depth - 1 masked steps over up to top_k nodes each).
+The embedded model's head as the CPU engine runs it beside the 4-bit target (packed products, `head_for`: the
+native kernel's Q8_0 blocks, else int8 rows; its 12288-id draft vocabulary; --float32 for the float32 head),
+observed over the first --prompts hand-written open prompts (`benchmarks/open_prompts.json`, the prompt text as
+is). Each row is the median over prompts and --reps calls of `propose(rows, 6)` or `propose_tree(rows, depth,
+top_k, size)` from the same state (the first call warms up), with the tree's drafted depth and the head steps it
+ran (depth - 1 masked steps over up to top_k nodes each).
 Writes JSON under benchmarks/results/ and prints a table. Numbers, not assertions.
 """
 from __future__ import annotations
@@ -65,11 +66,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--float32", action="store_true", help="the float32 head instead of bfloat16 + int8")
+    ap.add_argument("--float32", action="store_true", help="the float32 head instead of packed products")
     args = ap.parse_args(argv)
 
     model, tokenizer = load_model("embedded", torch.device("cpu"), torch.float32)
-    drafter = head_for("embedded", model, int8=not args.float32)
+    drafter = head_for("embedded", model, packed=not args.float32)
     prompts = [r["prompt"] for r in json.loads((ROOT / "benchmarks" / "open_prompts.json").read_text())][:args.prompts]
     runs = []
     for prompt in prompts:
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
               "steps": runs[0]["rows"][n]["steps"]} for n in names]
     for row in table:
         row["x_chain"] = row["ms"] / table[0]["ms"]
-    precision = "float32" if args.float32 else "bf16-int8"
+    precision = "float32" if args.float32 else "packed"
     payload = {"command": "python -m benchmarks.head_tree " + " ".join(sys.argv[1:] if argv is None else argv),
                "env": environment(), "precision": precision, "contexts": [r["context"] for r in runs],
                "reps": args.reps, "table": table, "runs": runs}

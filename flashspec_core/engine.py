@@ -453,10 +453,11 @@ def _short(name: str) -> str:
     return name if name in MODEL_FREE or name == DRAFT_HEAD else "draft:" + name.rstrip("/").split("/")[-1]
 
 
-def head_for(target: str, model, packed: bool = False) -> DraftHeadDrafter:
+def head_for(target: str, model, packed: bool = False, folder: Path | None = None) -> DraftHeadDrafter:
     """The drafter of the trained head shipped for `target` (HEADS), on the model's device and in its dtype, or
-    with packed=True in bfloat16 with packed products (`DraftHead.pack`: the native kernel's Q8_0 blocks where it
-    loads with its fast path, else int8 rows; beside the GGUF target on the CPU).
+    with packed=True with packed products (`DraftHead.pack`: the native kernel's Q8_0 blocks in float32 where it
+    loads with its fast path, else int8 rows in bfloat16; beside the GGUF target on the CPU). folder: another head
+    trained for the same target, drafted the same way (benchmarks compare heads).
     Raises HeadMismatchError (a ValueError) when none ships, the file is missing, or it fits another target."""
     if target not in HEADS:
         raise HeadMismatchError(f"no draft head ships for target {target!r} (heads: {sorted(HEADS)}); train one with "
@@ -464,7 +465,7 @@ def head_for(target: str, model, packed: bool = False) -> DraftHeadDrafter:
     embed = model.get_input_embeddings().weight
     fast = packed and native.load() and torch.ops.flashspec.vnni()  # the native kernel takes float32 activations
     dtype = torch.float32 if fast else torch.bfloat16 if packed else embed.dtype
-    head = load_head(HEADS[target].folder, model.config, embed, dtype=dtype)
+    head = load_head(folder or HEADS[target].folder, model.config, embed, dtype=dtype)
     if packed:
         head.pack(native=fast)
     return DraftHeadDrafter(head, model.config.vocab_size, HEADS[target].vocab_limit)
