@@ -33,7 +33,7 @@ from tests.served_app import ROOT, app_env, rss_mb, served_app
 
 RESULTS = ROOT / "benchmarks" / "results" / "replay_load.json"
 SETTINGS = dict(pair="embedded", target="", draft="", roles=["prompt_lookup"], gamma_auto=False, gamma=4,
-                temperature=0.0, top_p=1.0, max_new_tokens=96, seed=0, bandit="ucb1", backend="auto")
+                temperature=0.0, top_p=1.0, max_new_tokens=96, seed=0, bandit="ucb1", backend="auto", shape="chain")
 PROMPT = "Repeat this list three times: apples, pears, plums, cherries, grapes, melons, lemons, limes."
 
 
