@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.run import RESULTS
 from components import engine_cache
 from components.background import on_engine_thread
 from components.handlers import EXAMPLES, open_stream, run_stream
@@ -34,7 +35,7 @@ from components.prompt import example_by_name
 from components.session import Session
 from components.settings import parse_settings
 
-OUT = Path(__file__).resolve().parent / "results" / "app_overhead.json"
+OUT = RESULTS / "app_overhead.json"
 TARGET = 0.10
 CONFIGS = {"bandit (app default)": ["prompt_lookup", "ngram_cache"], "prompt_lookup only": ["prompt_lookup"]}
 

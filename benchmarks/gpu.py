@@ -26,11 +26,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.run import RESULTS, ROOT
 from flashspec_core.fast_path import StaticCausalLM
 from flashspec_core.models import CausalLM
 from kernels import resolve_backend, verify
-
-ROOT = Path(__file__).resolve().parent.parent
 
 SHAPES = {  # Llama shapes; random weights are fine for timing
     "160M": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
@@ -408,7 +407,7 @@ def main(argv=None) -> int:
     s, shapes = (SMOKE, SMOKE_SHAPES) if smoke else (GPU, SHAPES)
     dtype = torch.float32 if smoke else torch.bfloat16
     backend = resolve_backend("auto", device)
-    out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="flashspec-smoke-")) if smoke else ROOT / "benchmarks" / "results")
+    out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="flashspec-smoke-")) if smoke else RESULTS)
     t_start = time.perf_counter()
 
     bandwidth = copy_bandwidth(device, s)

@@ -35,7 +35,7 @@ from flashspec_core.engine import HEADS, head_for
 from flashspec_core.models import embedded_gguf, load_model, pick_device, pick_dtype
 from flashspec_core.train_head import agreement, draft_side, target_side
 
-from benchmarks.run import GREEDY, RESULTS, ROOT, environment, run_engine
+from benchmarks.run import GREEDY, RESULTS, ROOT, environment, run_engine, shown_path
 
 KS = (4, 6, 8)
 
@@ -98,6 +98,8 @@ def acceptance_moments(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def acceptance_fit(m) -> tuple[float, float]:
     """(c0, c1) of a ~ c0 + c1 q(x) from `acceptance_moments` (summed over any rows)."""
     w, x, xx, y, xy = (float(v) for v in m)
+    if w <= 0:  # no draws to fit (answers shorter than the chains)
+        return float("nan"), float("nan")
     c1 = (xy * w - x * y) / max(xx * w - x * x, 1e-30)
     return (y - c1 * x) / w, c1
 
@@ -224,7 +226,7 @@ def main(argv=None) -> int:
     where = ("cuda" if env["cuda"] else "cpu") + ("_gguf" if args.precision == "gguf" else "")
     out = RESULTS / f"head_embedded_{where}{'_' + args.tag if args.tag else ''}.json"
     out.write_text(json.dumps(payload, indent=1))
-    print(f"{env['cuda'] or env['machine']}, torch {env['torch']}, commit {env['commit']}; {out.relative_to(ROOT)}")
+    print(f"{env['cuda'] or env['machine']}, torch {env['torch']}, commit {env['commit']}; {shown_path(out)}")
     print(table(summary, args.online_k, args.temperature, args.online_sampled))
     return 0
 

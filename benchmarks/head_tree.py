@@ -21,7 +21,7 @@ from statistics import median
 
 import torch
 
-from benchmarks.run import GREEDY, RESULTS, ROOT, environment
+from benchmarks.run import GREEDY, RESULTS, ROOT, environment, shown_path
 from flashspec_core.engine import head_for
 from flashspec_core.models import load_model
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(payload, indent=2))
     env = payload["env"]
     print(f"{env['machine']}, {env['threads']} threads, torch {env['torch']}, commit {env['commit']}; head {precision}; "
-          f"contexts {payload['contexts']}, medians of {args.reps} x {len(runs)}; {out.relative_to(ROOT)}")
+          f"contexts {payload['contexts']}, medians of {args.reps} x {len(runs)}; {shown_path(out)}")
     print()
     print("| drafting | head steps | nodes | drafted depth | ms | x chain 6 |")
     print("|---|---:|---:|---|---:|---:|")

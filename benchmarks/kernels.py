@@ -34,7 +34,7 @@ if not __package__:  # `python benchmarks/kernels.py` would shadow the kernels p
     sys.exit("run from the repository root as: python -m benchmarks.kernels")
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+RESULTS = Path(os.environ.get("FLASHSPEC_RESULTS") or REPO / "benchmarks" / "results")  # as benchmarks.run's
 SHAPES = [(B, K, V) for V in (32000, 49152, 128256) for B in (1, 8, 32) for K in (4, 8)]
 SMOKE_SHAPES = [(2, 4, 1000)]
 SWEEP = [  # (BLOCK_V, num_warps, num_stages, programs per SM): 0 = one program streams a whole row (n_chunks = 1);

@@ -28,10 +28,11 @@ from pathlib import Path
 from gradio_client import Client, handle_file
 
 import app
+from benchmarks.run import RESULTS
 from tests.run_files import run_document, write
 from tests.served_app import ROOT, app_env, rss_mb, served_app
 
-RESULTS = ROOT / "benchmarks" / "results" / "replay_load.json"
+OUT = RESULTS / "replay_load.json"
 SETTINGS = dict(pair="embedded", target="", draft="", roles=["prompt_lookup"], gamma_auto=False, gamma=4,
                 temperature=0.0, top_p=1.0, max_new_tokens=96, seed=0, bandit="ucb1", backend="auto", shape="chain")
 PROMPT = "Repeat this list three times: apples, pears, plums, cherries, grapes, melons, lemons, limes."
@@ -135,8 +136,8 @@ def main(argv=None) -> int:
             time.sleep(2)
         if "loads" in only:
             result["others_speed_while_loading"] = speed_while_loading(url, accepted, args.runs)
-    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    RESULTS.write_text(json.dumps({**old, **result}, indent=1))
+    old = json.loads(OUT.read_text()) if OUT.exists() else {}
+    OUT.write_text(json.dumps({**old, **result}, indent=1))
     print(json.dumps(result, indent=1))
     return 0
 

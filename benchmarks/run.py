@@ -35,8 +35,13 @@ from flashspec_core.drafters import DraftHeadDrafter
 from flashspec_core.tree_round import TreeSize
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = Path(os.environ.get("FLASHSPEC_RESULTS") or ROOT / "benchmarks" / "results")  # where every benchmark writes
 GREEDY = SamplingConfig(temperature=0.0)
+
+
+def shown_path(path: Path) -> Path:
+    """A results file as a benchmark prints it: from the repository root, or whole where it lies elsewhere."""
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
 GROUNDED = {"code edit", "rename", "summary", "document QA", "long repetitive answer"}
 
 

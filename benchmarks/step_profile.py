@@ -21,7 +21,7 @@ from statistics import median
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.run import RESULTS, ROOT, environment
+from benchmarks.run import RESULTS, environment, shown_path
 from flashspec_core.fast_path import StaticCausalLM
 from flashspec_core.models import embedded_gguf, load_model
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(payload, indent=2))
     env = payload["env"]
     print(f"{env['machine']}, {env['threads']} threads, torch {env['torch']}, commit {env['commit']}; {lm.path}; "
-          f"{args.context}-token context, medians of {args.reps}; {out.relative_to(ROOT)}")
+          f"{args.context}-token context, medians of {args.reps}; {shown_path(out)}")
     print()
     print("| tokens | " + " | ".join(str(T) for T in TOKENS) + " |")
     print("|---|" + "---:|" * len(TOKENS))

@@ -22,7 +22,7 @@ from statistics import median
 
 import torch
 
-from benchmarks.run import RESULTS, ROOT, environment
+from benchmarks.run import RESULTS, environment, shown_path
 from flashspec_core import native
 from flashspec_core.fast_path import StaticCausalLM
 from flashspec_core.models import embedded_gguf, load_model
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(payload, indent=2))
     env = payload["env"]
     print(f"{env['machine']}, {env['threads']} threads, torch {env['torch']}, commit {env['commit']}; {lm.path}; "
-          f"{args.context}-token context, medians of {args.reps}; {out.relative_to(ROOT)}")
+          f"{args.context}-token context, medians of {args.reps}; {shown_path(out)}")
     print()
     print("| forward | nodes | tokens | " + " | ".join(f"ms ({a}) | x 1 token ({a})" for a in kinds) + " |")
     print("|---|---:|---:|" + "---:|---:|" * len(kinds))

@@ -1,0 +1,58 @@
+"""The CPU benchmarks still run end to end, at tiny settings, writing into a temporary folder (FLASHSPEC_RESULTS):
+a script that calls an engine function by an old name or misses a new setting fails here, not in the next measured
+run. Their numbers are not looked at. One interpreter runs them one after another (each loads its own engine), so
+the imports are paid once; the GPU-only ones and those that serve the app are left to their own machines.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RUNS = {  # benchmark module -> (its command line, a file it writes)
+    "run": (["--configs", "plain", "bandit", "--no-hf", "--only", "code edit", "--max-new-tokens", "8", "--rounds", "1",
+             "--tag", "smoke"], "engine_embedded_cpu_smoke.json"),
+    "head": (["--sets", "open", "--prompts", "1", "--online-k", "2", "--max-new-tokens", "16", "--precision", "gguf",
+              "--fixed-chains"], "head_embedded_cpu_gguf.json"),
+    "head_step": (["--reps", "8", "--repeats", "1"], "head_step_cpu_gguf.json"),
+    "head_tree": (["--prompts", "1", "--reps", "1"], "head_tree_cpu_packed.json"),
+    "head_feed": (["--prompts", "1", "--max-new-tokens", "8", "--repeats", "1"], "head_feed_cpu_gguf.json"),
+    "step_profile": (["--reps", "2", "--prefill", "16"], "step_profile_cpu_gguf.json"),
+    "tree_forward": (["--reps", "1"], "tree_forward_cpu_gguf.json"),
+    "tree_round": (["--prompts", "1", "--max-new-tokens", "8"], "tree_round_cpu_float32.json"),
+    "tree_exact": (["--prompts", "1", "--max-new-tokens", "8"], "tree_exact_cpu_gguf.json"),
+    "start_profile": (["--prompts", "1"], "start_profile_cpu_gguf.json"),
+    "host_round": (["--streams", "1", "--max-new-tokens", "8"], "host_round_cpu.json"),
+    "drafters": (["--rounds", "3"], "drafters_cpu.json"),
+    "app_overhead": (["--reps", "1", "--max-new-tokens", "8"], "app_overhead.json"),
+}
+
+RUNNER = """
+import importlib, json, sys, traceback
+for name, argv in json.loads(sys.argv[1]).items():
+    sys.argv = ["benchmarks." + name, *argv]
+    try:
+        importlib.import_module("benchmarks." + name).main()
+        print("BENCHMARK RAN", name, flush=True)
+    except BaseException:  # SystemExit from argparse too
+        traceback.print_exc()
+        print("BENCHMARK FAILED", name, flush=True)
+"""
+
+
+def results_files() -> dict:
+    return {p.name: p.stat().st_mtime_ns for p in (ROOT / "benchmarks" / "results").iterdir()}
+
+
+def test_the_cpu_benchmarks_run_and_write_their_results(tmp_path):
+    env = {**os.environ, "FLASHSPEC_RESULTS": str(tmp_path)}
+    before = results_files()
+    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps({k: v[0] for k, v in RUNS.items()})], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    ran = {line.split()[-1] for line in done.stdout.splitlines() if line.startswith("BENCHMARK RAN")}
+    assert ran == set(RUNS), f"did not run: {sorted(set(RUNS) - ran)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    for name, (_, written) in RUNS.items():
+        assert json.loads((tmp_path / written).read_text()), f"{name} wrote no {written}"
+    assert results_files() == before, "a benchmark wrote into the repository's results"
