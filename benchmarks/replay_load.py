@@ -31,10 +31,10 @@ import app
 from benchmarks.run import RESULTS
 from tests.run_files import run_document, write
 from tests.served_app import ROOT, app_env, rss_mb, served_app
+from tests.test_app_api import SETTINGS as API_SETTINGS
 
 OUT = RESULTS / "replay_load.json"
-SETTINGS = dict(pair="embedded", target="", draft="", roles=["prompt_lookup"], gamma_auto=False, gamma=4,
-                temperature=0.0, top_p=1.0, max_new_tokens=96, seed=0, bandit="ucb1", backend="auto", shape="chain")
+SETTINGS = {**API_SETTINGS, "roles": ["prompt_lookup"], "max_new_tokens": 96}  # the API tests' settings, every name
 PROMPT = "Repeat this list three times: apples, pears, plums, cherries, grapes, melons, lemons, limes."
 
 
