@@ -23,11 +23,10 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from benchmarks.run import RESULTS
+from benchmarks.run import RESULTS, shown_path
 from components import engine_cache
 from components.background import on_engine_thread
 from components.handlers import EXAMPLES, open_stream, run_stream
@@ -118,7 +117,7 @@ def main(argv=None) -> dict:
         print(f"{name:<22}{m['engine']:>14.1f}{m['handler']:>15.1f}{r['overhead_of_medians']:>10.1%}"
               f"{r['overhead_paired']:>8.1%}")
     print(f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus; "
-          f"wrote {OUT.relative_to(Path.cwd()) if OUT.is_relative_to(Path.cwd()) else OUT}")
+          f"wrote {shown_path(OUT)}")
     return report
 
 

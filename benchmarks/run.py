@@ -37,12 +37,12 @@ from flashspec_core.tree_round import TreeSize
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("FLASHSPEC_RESULTS") or ROOT / "benchmarks" / "results")  # where every benchmark writes
 GREEDY = SamplingConfig(temperature=0.0)
+GROUNDED = {"code edit", "rename", "summary", "document QA", "long repetitive answer"}
 
 
 def shown_path(path: Path) -> Path:
     """A results file as a benchmark prints it: from the repository root, or whole where it lies elsewhere."""
     return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-GROUNDED = {"code edit", "rename", "summary", "document QA", "long repetitive answer"}
 
 
 PROMPT_SETS = {"examples": ROOT / "assets" / "examples.json", "open": ROOT / "benchmarks" / "open_prompts.json"}
