@@ -127,16 +127,19 @@ def variant_name(kv, V, block_v, n_chunks) -> str:
     return "row" if n_chunks == 1 else f"split {n_chunks}x{chunk}"
 
 
-def bench_shape(kv, B, K, V, device, timer, bandwidth, sweep):
-    """Timing rows (randoms pre-drawn and drawn inside) and optional launch-configuration rows for one shape."""
-    draft, q, p, uniform, noise = make_inputs(kv, B, K, V, device)
-    ref = kv.verify_torch(draft, q, p, uniform=uniform, noise=noise)
-    out = kv.verify_triton(draft, q, p, uniform=uniform, noise=noise)
-    if not (torch.equal(ref.tokens, out.tokens) and torch.equal(ref.num_accepted, out.num_accepted)):
-        raise AssertionError(f"backends disagree at B={B} K={K} V={V}")
+def check_same(ref, out, what: str, B, K, V, tokens_only: bool = False) -> None:
+    """Raise unless `out` emits the reference's tokens (and accepted counts) at this shape."""
+    same = torch.equal(ref.tokens, out.tokens) and (tokens_only or torch.equal(ref.num_accepted, out.num_accepted))
+    if not same:
+        raise AssertionError(f"{what} disagrees at B={B} K={K} V={V}")
 
-    floor_us = 4 * (B * (K + 1) * V + B * K * V) / bandwidth * 1e6  # p and q read once
-    touched_us = 4 * 3 * B * V / bandwidth * 1e6  # p_n, q_n and the noise: one row each per batch row
+
+def timing_rows(kv, inputs, ref, shape, device, timer, floors) -> list[dict]:
+    """Torch against Triton with randoms pre-drawn and drawn inside (and on CUDA each as a graph), the whole-row
+    kernel beside them."""
+    draft, q, p, uniform, noise = inputs
+    B, K, V = shape
+    floor_us, touched_us = floors
     g = torch.Generator(device).manual_seed(0)
     calls = {
         "pre-drawn": {
@@ -150,9 +153,7 @@ def bench_shape(kv, B, K, V, device, timer, bandwidth, sweep):
     }
     config = kv._launch_config(B, V, device)
     row_fn = lambda: kv._verify_triton_launch(draft, q, p, uniform, noise, False, *ROW_CONFIG)  # noqa: E731
-    check = row_fn()
-    if not (torch.equal(ref.tokens, check.tokens) and torch.equal(ref.num_accepted, check.num_accepted)):
-        raise AssertionError(f"the one-program-per-row kernel disagrees at B={B} K={K} V={V}")
+    check_same(ref, row_fn(), "the one-program-per-row kernel", B, K, V)
     rows = []
     for randoms, fns in calls.items():
         row = {"B": B, "K": K, "V": V, "randoms": randoms,
@@ -170,28 +171,43 @@ def bench_shape(kv, B, K, V, device, timer, bandwidth, sweep):
                 if why:
                     row[f"{name}_graph_error"] = why
         rows.append(row)
+    return rows
 
-    sweep_rows = []
-    if sweep:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        for block_v, num_warps, num_stages, per_sm in SWEEP:
-            n_chunks = -(-per_sm * sms // B) if per_sm else 1
 
-            def fn():
-                return kv._verify_triton_launch(draft, q, p, uniform, noise, False, 1, block_v, num_warps, num_stages,  # noqa: B023
-                                                n_chunks)  # noqa: B023
+def sweep_rows(kv, inputs, ref, shape, device, timer, floors) -> list[dict]:
+    """Each launch configuration of SWEEP, checked against the reference, then timed."""
+    draft, q, p, uniform, noise = inputs
+    B, K, V = shape
+    floor_us, touched_us = floors
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    rows = []
+    for block_v, num_warps, num_stages, per_sm in SWEEP:
+        n_chunks = -(-per_sm * sms // B) if per_sm else 1
 
-            check = fn()
-            if not torch.equal(check.tokens, ref.tokens):
-                raise AssertionError(f"BLOCK_V={block_v} num_warps={num_warps} num_stages={num_stages} "
-                                     f"n_chunks={n_chunks} disagrees "
-                                     f"at B={B} K={K} V={V}")
-            us = timer(fn)
-            sweep_rows.append({"B": B, "K": K, "V": V, "block_v": block_v, "num_warps": num_warps,
-                               "num_stages": num_stages, "variant": variant_name(kv, V, block_v, n_chunks),
-                               "triton_us": us, "triton_over_floor": us / floor_us,
-                               "triton_over_touched": us / touched_us})
-    return rows, sweep_rows
+        def fn():
+            return kv._verify_triton_launch(draft, q, p, uniform, noise, False, 1, block_v, num_warps, num_stages,  # noqa: B023
+                                            n_chunks)  # noqa: B023
+
+        check_same(ref, fn(), f"BLOCK_V={block_v} num_warps={num_warps} num_stages={num_stages} n_chunks={n_chunks}",
+                   B, K, V, tokens_only=True)
+        us = timer(fn)
+        rows.append({"B": B, "K": K, "V": V, "block_v": block_v, "num_warps": num_warps, "num_stages": num_stages,
+                     "variant": variant_name(kv, V, block_v, n_chunks), "triton_us": us,
+                     "triton_over_floor": us / floor_us, "triton_over_touched": us / touched_us})
+    return rows
+
+
+def bench_shape(kv, B, K, V, device, timer, bandwidth, sweep):
+    """Timing rows (randoms pre-drawn and drawn inside) and optional launch-configuration rows for one shape."""
+    inputs = make_inputs(kv, B, K, V, device)
+    draft, q, p, uniform, noise = inputs
+    ref = kv.verify_torch(draft, q, p, uniform=uniform, noise=noise)
+    check_same(ref, kv.verify_triton(draft, q, p, uniform=uniform, noise=noise), "the Triton backend", B, K, V)
+    floor_us = 4 * (B * (K + 1) * V + B * K * V) / bandwidth * 1e6  # p and q read once
+    touched_us = 4 * 3 * B * V / bandwidth * 1e6  # p_n, q_n and the noise: one row each per batch row
+    floors = (floor_us, touched_us)
+    rows = timing_rows(kv, inputs, ref, (B, K, V), device, timer, floors)
+    return rows, sweep_rows(kv, inputs, ref, (B, K, V), device, timer, floors) if sweep else []
 
 
 def fmt(x, spec=".1f"):

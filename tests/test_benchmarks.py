@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-RUNS = {  # benchmark module -> (its command line, a file it writes)
+RUNS = {  # benchmark module -> (its command line, {out} the results folder; a file it writes there)
     "run": (["--configs", "plain", "bandit", "--no-hf", "--only", "code edit", "--max-new-tokens", "8", "--rounds", "1",
              "--tag", "smoke"], "engine_embedded_cpu_smoke.json"),
     "head": (["--sets", "open", "--prompts", "1", "--online-k", "2", "--max-new-tokens", "16", "--precision", "gguf",
@@ -27,6 +27,7 @@ RUNS = {  # benchmark module -> (its command line, a file it writes)
     "host_round": (["--streams", "1", "--max-new-tokens", "8"], "host_round_cpu.json"),
     "drafters": (["--rounds", "3"], "drafters_cpu.json"),
     "app_overhead": (["--reps", "1", "--max-new-tokens", "8"], "app_overhead.json"),
+    "kernels": (["--cpu-smoke", "--sweep", "--out", "{out}/kernels_smoke.json"], "kernels_smoke.json"),
 }
 
 RUNNER = """
@@ -49,7 +50,8 @@ def results_files() -> dict:
 def test_the_cpu_benchmarks_run_and_write_their_results(tmp_path):
     env = {**os.environ, "FLASHSPEC_RESULTS": str(tmp_path)}
     before = results_files()
-    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps({k: v[0] for k, v in RUNS.items()})], cwd=ROOT,
+    argvs = {name: [a.format(out=tmp_path) for a in argv] for name, (argv, _) in RUNS.items()}
+    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(argvs)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     ran = {line.split()[-1] for line in done.stdout.splitlines() if line.startswith("BENCHMARK RAN")}
     assert ran == set(RUNS), f"did not run: {sorted(set(RUNS) - ran)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
