@@ -185,8 +185,8 @@ def sweep_rows(kv, inputs, ref, shape, device, timer, floors) -> list[dict]:
         n_chunks = -(-per_sm * sms // B) if per_sm else 1
 
         def fn():
-            return kv._verify_triton_launch(draft, q, p, uniform, noise, False, 1, block_v, num_warps, num_stages,  # noqa: B023
-                                            n_chunks)  # noqa: B023
+            return kv._verify_triton_launch(draft, q, p, uniform, noise, False, 1,  # noqa: B023
+                                            block_v, num_warps, num_stages, n_chunks)  # noqa: B023
 
         check_same(ref, fn(), f"BLOCK_V={block_v} num_warps={num_warps} num_stages={num_stages} n_chunks={n_chunks}",
                    B, K, V, tokens_only=True)
