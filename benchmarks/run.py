@@ -25,6 +25,7 @@ import pstats
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
@@ -199,7 +200,8 @@ def parse_args(argv=None):
     ap.add_argument("--hf-compiled", action="store_true",
                     help="add Hugging Face generate() with a static cache under torch.compile (CUDA; warm-up untimed)")
     ap.add_argument("--tree", default=None, help="the draft head's trees in the bandit and fixed:draft_head rows: "
-                    "DEPTH,TOP_K,SIZE, or auto (up to 6,4,32, sized each round; on a GPU its bound, sampled: its static shape)")
+                    "DEPTH,TOP_K,SIZE, or auto (up to 6,4,32, sized each round; on a GPU its bound, sampled: its static shape), "
+                    "then optionally ,copyN (greedy eager rounds: N tokens of prompt lookup's chain as one more branch)")
     ap.add_argument("--head-catch-up", type=int, default=None,
                     help="verified slots that wait before the draft head's first pass (1: every round, inside a "
                     "captured round; default: the head's own, CATCH_UP)")
@@ -215,15 +217,16 @@ def parse_args(argv=None):
 
 
 def parse_tree(text: str | None) -> TreeSize | None:
-    """--tree's value as a TreeSize (None: chains)."""
+    """--tree's value as a TreeSize (None: chains): DEPTH,TOP_K,SIZE or auto, then optionally ",copyN" (greedy eager
+    rounds: up to N tokens of prompt lookup's chain join the tree as one more branch, `TreeSize.copy`)."""
     if text is None:
         return None
-    if text == "auto":
-        return TreeSize(6, 4, 32, auto=True)
+    head, _, copy = text.partition(",copy")
     try:
-        return TreeSize(*(int(x) for x in text.split(",")))
+        tree = TreeSize(6, 4, 32, auto=True) if head == "auto" else TreeSize(*(int(x) for x in head.split(",")))
+        return replace(tree, copy=int(copy)) if copy else tree
     except (TypeError, ValueError) as e:
-        raise SystemExit(f"--tree takes DEPTH,TOP_K,SIZE or auto, got {text!r}: {e}")
+        raise SystemExit(f"--tree takes DEPTH,TOP_K,SIZE or auto, then optionally ,copyN, got {text!r}: {e}")
 
 
 def engine_configs(engine: Engine, args) -> list[tuple[str, dict]]:

@@ -1,14 +1,16 @@
 """Chains against trees of the shipped draft head, through the engine's own rounds: tokens per target forward and
-tok/s on the hand-written open prompts.
+tok/s on the hand-written open prompts (or the app's examples).
 
     python -m benchmarks.tree_round [--prompts 12] [--max-new-tokens 96] [--precision float32] [--temperature 0]
-                                    [--captured off|auto] [--trees 6,4,32 6,2,10 auto] [--eager-trees]
+                                    [--captured off|auto] [--trees 6,4,32 6,2,10 auto auto,copy8] [--eager-trees]
+                                    [--prompt-set open|examples]
 
 For each prompt (through the chat template) the embedded model decodes --max-new-tokens tokens four ways from the
 same state, each through `DeviceRound` with its own arms (plain feeds no drafter): plain (K = 0), head chains of
 4 and 6 (`run`), and head trees (`run_tree`, `TREES`; "auto" sized each round by the engine's policy from this
-machine's measured costs, except on a captured round, where the engine verifies its bound), ignoring end-of-text so that every row makes the same number of tokens. Greedy rows must
-equal plain decoding token for token; at --temperature > 0 the rows are seeded samples (same seed per prompt).
+machine's measured costs, except on a captured round, where the engine verifies its bound; ",copyN": prompt
+lookup's chain as one more branch), ignoring end-of-text so that every row makes the same number of tokens.
+Greedy rows must equal plain decoding token for token; at --temperature > 0 the rows are seeded samples (same seed per prompt).
 Writes JSON under benchmarks/results/ and prints a table. Numbers, not assertions.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from statistics import mean
 
 import torch
 
-from benchmarks.run import RESULTS, environment, load_prompt_set, parse_tree
+from benchmarks.run import PROMPT_SETS, RESULTS, environment, load_prompt_set, parse_tree
 from flashspec_core import Engine, SamplingConfig
 from flashspec_core.stream import StreamState
 from flashspec_core.tree_round import TreeSize
@@ -45,10 +47,11 @@ def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, see
     config = config if captured else config.tree
     rows, gen = [list(ids)], torch.Generator(device=engine.target.device).manual_seed(seed)  # as the engine
     s = StreamState(rows, sampling, "auto", "speculative", ["draft_head"], max_new, gen, None, tree=config)
-    arms = ["draft_head"] if config else ["no_draft"]  # plain feeds no drafter, as the engine's plain mode
     tree = isinstance(config, TreeSize)
+    arms = ["draft_head"] if config else ["no_draft"]  # plain feeds no drafter, as the engine's plain mode
+    arms += ["prompt_lookup"] if tree and config.copy else []  # a copied branch's source, fed as the engine feeds it
     round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=arms, captured=captured,
-                 tree_tokens=config.size + 1 if tree else 0,
+                 tree_tokens=config.size + config.copy + 1 if tree else 0,
                  tree=config.fixed if tree and captured else None)  # graphs captured here, outside the timed rounds
     on_graph = tree and round_.captured is not None
     outs, t0 = [], time.perf_counter()
@@ -85,10 +88,10 @@ def round_times(outs: list, seconds: float) -> dict:
 def name_of(config) -> str:
     if isinstance(config, Eager):
         return "eager " + name_of(config.tree)
-    if isinstance(config, TreeSize) and config.auto:
-        return f"tree d{config.depth} k{config.top_k} auto<={config.size}"
-    return f"tree d{config.depth} k{config.top_k} s{config.size}" if isinstance(config, TreeSize) else \
-        ("plain" if config == 0 else f"chain {config}")
+    if not isinstance(config, TreeSize):
+        return "plain" if config == 0 else f"chain {config}"
+    size = f"auto<={config.size}" if config.auto else f"s{config.size}"
+    return f"tree d{config.depth} k{config.top_k} {size}" + (f" copy{config.copy}" if config.copy else "")
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -107,6 +110,8 @@ def times_cell(s: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--prompt-set", default="open", choices=sorted(PROMPT_SETS),
+                    help="the hand-written open requests or the app's examples")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--precision", default="float32", choices=["auto", "gguf", "float32"])
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -117,14 +122,14 @@ def main(argv=None) -> int:
                          "trees (tree auto at its bound: sized per round only without a captured round)")
     ap.add_argument("--eager-trees", action="store_true",
                     help="also run every tree row with eager rounds (the head's levels from the host)")
-    ap.add_argument("--trees", nargs="+", default=None, metavar="D,K,S|auto",
+    ap.add_argument("--trees", nargs="+", default=None, metavar="D,K,S|auto[,copyN]",
                     help="the tree rows (default: " + " ".join(name_of(t) for t in TREES) + ")")
     args = ap.parse_args(argv)
     trees = TREES if args.trees is None else tuple(parse_tree(t) for t in args.trees)
     engine = Engine.from_preset("embedded", dtype=args.dtype, precision=args.precision, captured=args.captured)
     engine.warm_up(1024)  # the measured costs that tree "auto" sizes its trees by, and the chains' graphs
     sampling = SamplingConfig(temperature=args.temperature)
-    prompts = load_prompt_set("open")[:args.prompts]
+    prompts = load_prompt_set(args.prompt_set)[:args.prompts]
     configs = [0, *CHAINS, *trees, *(Eager(t) for t in trees if args.eager_trees)]
     rows = []
     for i, p in enumerate(prompts):
@@ -140,7 +145,8 @@ def main(argv=None) -> int:
     env.update(precision=engine.precision, temperature=args.temperature, captured=args.captured)
     summary = {name_of(c): summarise([r for r in rows if r["config"] == name_of(c)]) for c in configs}
     device = "cuda" if engine.target.device.type == "cuda" else "cpu"
-    stem = f"tree_round_{device}_{engine.precision}" + (f"_t{args.temperature:g}" if args.temperature else "") + \
+    stem = f"tree_round_{device}_{engine.precision}" + ("_examples" if args.prompt_set == "examples" else "") + \
+        (f"_t{args.temperature:g}" if args.temperature else "") + \
         (f"_{args.tag}" if args.tag else "")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(
@@ -148,7 +154,7 @@ def main(argv=None) -> int:
          "summary": summary, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}, indent=2))
     chain = summary[f"chain {CHAINS[-1]}"]["tokens_per_forward"]
     print(f"\n{env['machine']}, precision {engine.precision}, temperature {args.temperature:g}, "
-          f"{len(prompts)} open prompts, "
+          f"{len(prompts)} prompts ({args.prompt_set}), "
           f"{args.max_new_tokens} tokens each\n")
     plain = summary["plain"]["tok_per_s"]
     print("| config | tokens per target forward | vs chain 6 | tok/s | vs plain | same ids as plain "

@@ -56,6 +56,30 @@ class TreeProposal:
         return TreeProposal(DraftTree(self.tree.parents[:n]), self.tokens[:, :n],
                             None if self.q is None else self.q[:, :n], self.score[:, :n])
 
+    def graft(self, chain: torch.Tensor) -> "TreeProposal":
+        """This (greedy) tree with a copied chain joined as one more branch: chain [B, C] int64, -1 where a row's
+        own chain is shorter. Row 0's chain follows the tree from the root while a child carries its next token;
+        the rest of it hangs below the node where that stops, one node under the other, tried after that node's
+        own children (so no sibling repeats a token there and the walk can take the branch). Other rows carry
+        their own chain's tokens at the same places, as they carry their own tokens everywhere (row 0 shapes
+        the tree); a -1 is never accepted. New nodes score as the node they hang from."""
+        if self.q is not None:
+            raise ValueError("a copied branch joins greedy trees only (a sampled tree's nodes need their laws)")
+        at, m, tokens = -1, 0, self.tokens[0].tolist()
+        kids = self.tree.children
+        while m < chain.shape[1]:
+            nxt = [c for c in kids[at + 1] if tokens[c] == int(chain[0, m])]
+            if not nxt:
+                break
+            at, m = nxt[0], m + 1
+        if m == chain.shape[1]:
+            return self
+        N, C = self.tree.N, chain.shape[1] - m
+        parents = self.tree.parents + (at,) + tuple(range(N, N + C - 1))
+        above = self.score[:, at:at + 1] if at >= 0 else self.score.new_zeros(self.score.shape[0], 1)
+        return TreeProposal(DraftTree(parents), torch.cat([self.tokens, chain[:, m:].to(self.tokens.device)], dim=1),
+                            None, torch.cat([self.score, above.expand(-1, C)], dim=1))
+
 
 class Drafter:
     name = "drafter"
@@ -191,6 +215,7 @@ class SuffixIndex:
         return out
 
 
+BRANCH_FLOOR = 0.3  # a copied branch of a greedy tree keeps tokens while all so far are accepted with this chance
 MATCH_BUCKETS = (1, 2, 3, 4, 6, 9, 13, 19, 27)  # match lengths that start a bucket of the draft-length statistics
 _BUCKET_OF = [sum(n >= b for b in MATCH_BUCKETS) for n in range(MATCH_BUCKETS[-1] + 1)]
 
@@ -243,13 +268,23 @@ class CopyDrafter(Drafter):
         return Proposal(tokens.to(self.device, non_blocking=True), None)
 
     def propose_ids(self, row, k):
-        at = self._position(row)
-        if at is None:
-            return self._draft_off_path(row, k)
-        if at == len(self.index.stream) and at < self._stream0 + len(row) - self._row0:  # row runs ahead: catch up
-            self.index.extend(row[self._row0 + at - self._stream0:])
-        tokens, length, split = self._draft_at(self._stream0 + len(row) - self._row0)
-        return tokens[:self._length(length, split, min(k, len(tokens)))]
+        tokens, length, split = self._match(row, k)
+        return tokens[:self._length(length, split, len(tokens))]
+
+    def branch(self, rows, k: int, floor: float = BRANCH_FLOOR) -> torch.Tensor | None:
+        """Copied chains to join a greedy draft tree as one more branch (`TreeProposal.graft`): [B, C] int64, -1
+        past a row's own, C the length of row 0's, whose tokens are kept while the chance that all of them so far
+        are accepted stays >= floor (a tree's extra nodes cost less than a chain's: no length is chosen by cost
+        here); None when row 0 copies nothing."""
+        chains = []
+        for row in rows:
+            tokens, length, split = self._match(row, k)
+            chains.append(tokens[:sum(p >= floor for p in self._survival(length, split, len(tokens)))])
+        C = len(chains[0])
+        if not C:
+            return None
+        padded = [c[:C] + [-1] * (C - len(c[:C])) for c in chains]
+        return torch.tensor(padded, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def observe(self, rows, kept, hidden=None):
         row, at = rows[0], len(self.index.stream)
@@ -300,10 +335,24 @@ class CopyDrafter(Drafter):
             self._memo[pos] = (tokens, length, len(self.index.kids[node]) > 1)
         return self._memo[pos]
 
-    def _draft_off_path(self, row, k) -> list[int]:
+    def _match(self, row, k) -> tuple[list[int], int, bool]:
+        """(draft, match length, split) for row: at most k tokens, from the index where row is on its path."""
+        at = self._position(row)
+        if at is None:
+            return self._off_path(row, k)
+        if at == len(self.index.stream) and at < self._stream0 + len(row) - self._row0:  # row runs ahead: catch up
+            self.index.extend(row[self._row0 + at - self._stream0:])
+        tokens, length, split = self._draft_at(self._stream0 + len(row) - self._row0)
+        return tokens[:k], length, split
+
+    def _off_path(self, row, k) -> tuple[list[int], int, bool]:
         length, end, node, index = self._find(row)
         tokens = index.continuation(end, min(k, self.max_draft)) if length else []
-        return tokens[:self._length(length, len(index.kids[node]) > 1, len(tokens))]
+        return tokens, length, len(index.kids[node]) > 1
+
+    def _draft_off_path(self, row, k) -> list[int]:
+        tokens, length, split = self._off_path(row, k)
+        return tokens[:self._length(length, split, len(tokens))]
 
     def _find(self, row):
         raise NotImplementedError
@@ -311,13 +360,17 @@ class CopyDrafter(Drafter):
     def _length(self, length: int, split: bool, available: int) -> int:
         """How many of the available tokens to propose after a match of `length` tokens: the K in 0..available with
         the most expected tokens per second, each accepted token lengthening the match for the next."""
+        return best_length(self._survival(length, split, available), self.costs)
+
+    def _survival(self, length: int, split: bool, available: int) -> list[float]:
+        """The chance that the first 1, 2, ... of the available copied tokens are all accepted (stops below 1e-3)."""
         survival, p = [], 1.0
         for j in range(available if length else 0):
             p *= self.odds.chance(match_bucket(length + j, split and j == 0))
             if p < 1e-3:  # later tokens add nothing that could pay for verifying them
                 break
             survival.append(p)
-        return best_length(survival, self.costs)
+        return survival
 
 
 def copy_prior(bucket: int, split: bool) -> float:

@@ -35,6 +35,7 @@ from flashspec_core.request import MODES, Request, arms_for
 from flashspec_core.round import DeviceRound, Launched
 from flashspec_core.sampling import SamplingConfig
 from flashspec_core.stream import GenerationResult, Played, RoundEvent, RoundOutput, StreamState, TokenSpan
+from flashspec_core.tree_round import COPY_SOURCES
 from kernels import resolve_backend
 
 # the names other modules import from here (the event types and `summarize` live in stream.py and events.py)
@@ -312,9 +313,10 @@ class Engine:
         """Choose an arm and K, run a round, learn from it, yield its event."""
         self.calibrate()
         s.t_start = time.perf_counter()  # generation is lazy: the clock starts with the first round's prefill
-        s.prefill_s = self.round.start(s.rows, s.sampling, s.generator,
-                                       len(s.rows[0]) + s.max_new_tokens + s.max_gamma + 1, s.max_gamma, s.arms,
-                                       tree_tokens=s.tree.size + 1 if s.tree else 0,  # eager trees' verifies
+        copies = [n for n in COPY_SOURCES if s.tree and s.tree.copy and n in self.drafters and n not in s.arms]
+        s.prefill_s = self.round.start(s.rows, s.sampling, s.generator,  # (a tree's copied branch: its drafters fed)
+                                       len(s.rows[0]) + s.max_new_tokens + s.max_gamma + 1, s.max_gamma,
+                                       s.arms + copies, tree_tokens=s.tree.size + s.tree.copy + 1 if s.tree else 0,
                                        tree=_captured_shape(s))  # one graph a tree round (auto: its bound)
         ahead = None  # the next round, chosen (and maybe launched) before this one landed
         while s.produced < s.max_new_tokens:

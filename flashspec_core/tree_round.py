@@ -36,18 +36,22 @@ from flashspec_core.tree import DraftTree
 from kernels import verify_tree
 
 
+COPY_SOURCES = ("prompt_lookup", "ngram_cache")  # the drafters whose chains join a tree (`TreeSize.copy`), in turn
+
+
 @dataclass(frozen=True)
 class TreeSize:
     depth: int  # levels below the pending token
     top_k: int  # children per expanded node, and nodes expanded per level
     size: int  # nodes kept (the tree verified in one forward has size + 1 slots)
     auto: bool = False  # verify only the best first n of the size nodes, n chosen per round from measured costs
+    copy: int = 0  # greedy eager rounds: at most this many tokens of a copy drafter's chain join as one more branch
 
     def __post_init__(self):
-        for name in ("depth", "top_k", "size"):
-            value = getattr(self, name)
-            if not is_int(value) or not 1 <= value <= MAX_GAMMA:
-                raise ValueError(f"tree {name} must be an integer in 1..{MAX_GAMMA}, got {shown(value)}")
+        for name in ("depth", "top_k", "size", "copy"):
+            value, least = getattr(self, name), 0 if name == "copy" else 1
+            if not is_int(value) or not least <= value <= MAX_GAMMA:
+                raise ValueError(f"tree {name} must be an integer in {least}..{MAX_GAMMA}, got {shown(value)}")
         if not isinstance(self.auto, bool):
             raise ValueError(f"tree auto must be True or False, got {shown(self.auto)}")
 
@@ -85,12 +89,16 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     proposal = drafter.propose_tree(rows, shape.depth, shape.top_k, shape.size)  # draft
     if nodes is not None and proposal.tree.N:
         proposal = proposal.first(nodes(proposal.score[0].tolist()))
+    chain = _copied(round_, rows, shape.copy) if sampling.greedy and shape.copy else None
+    if chain is not None:
+        proposal = proposal.graft(chain)
     if not proposal.tree.N:  # nothing drafted, or nothing worth its verify: a plain step
         return round_.run(rows, drafter, 0, sampling, generator)
     tree = proposal.tree
     timer.drafted()
     start = target.length  # the root's (the pending token's) cache position
-    logits = target.forward_tree(torch.cat([round_.pending, proposal.tokens], dim=1), tree)  # [B, N+1, V] verify
+    fed = torch.cat([round_.pending, proposal.tokens.clamp_min(0)], dim=1)  # (a row's missing copy: -1, never kept)
+    logits = target.forward_tree(fed, tree)  # [B, N+1, V] verify
     p = logits if sampling.greedy else logits_to_probs(logits, sampling)
     result = verify_tree(tree, proposal.tokens, proposal.q, p, generator=generator, greedy=sampling.greedy,
                          backend=round_.kernel_backend)  # accept test
@@ -108,6 +116,17 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     round_._update(rows, L + m, hidden)
     nodes = [int(t) for t in host[B + 2][:tree.N]]
     return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], guessers, timer.done())
+
+
+def _copied(round_, rows: list[list[int]], k: int) -> torch.Tensor | None:
+    """A copy drafter's chains for the tree's extra branch (`CopyDrafter.branch`): prompt lookup's, else the n-gram
+    cache's, of those the stream keeps current (`DeviceRound.fed`); None if neither copies anything."""
+    for name in COPY_SOURCES:
+        drafter = round_.drafters.get(name)
+        chain = drafter.branch(rows, k) if drafter in round_.fed else None
+        if chain is not None:
+            return chain
+    return None
 
 
 def captured_nodes(shape: TreeSize, greedy: bool) -> int:

@@ -1,13 +1,16 @@
 """Rounds that verify the head's draft trees (`flashspec_core.tree_round`): greedy output equals plain decoding on
 both target paths, the emitted tokens follow the target (chi-squared through the round, N = 30,000 rows, trees of
 width 1 (a chain), 2 and 4), and the caches end on the accepted path (the head's equals one pass over the rows)."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 from flashspec_core import Engine, SamplingConfig
-from flashspec_core.drafters import DraftHeadDrafter
+from flashspec_core.drafters import DraftHeadDrafter, TreeProposal
 from flashspec_core.fast_path import fast_or_eager
 from flashspec_core.round import DeviceRound
+from flashspec_core.tree import DraftTree
 from flashspec_core.tree_round import TreeSize
 from tests.conftest import tiny_llama
 from tests.flashspec_core.test_distribution import CRITICAL, N, V, chi2, exact_laws
@@ -43,6 +46,43 @@ def test_greedy_tree_rounds_equal_plain(tiny, name, fast_path):
         round_.target = fast_or_eager(target.eval(), 50, mode="off")
     rows = tree_rows(round_, SIZES[name], GREEDY, 0, 40)
     assert rows[0][len(PROMPT):len(PROMPT) + 40] == plain
+
+
+def test_a_copied_chain_hangs_below_the_node_where_the_tree_stops_following_it():
+    tree = DraftTree.full((2, 2))  # nodes 0, 1 below the root; 2, 3 below node 0; 4, 5 below node 1
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]])
+    proposal = TreeProposal(tree, tokens, None, -torch.arange(6.0).expand(2, -1))
+    grown = proposal.graft(torch.tensor([[11, 15, 7, 8], [1, 2, 3, -1]]))  # row 0 follows nodes 1 and 5
+    assert grown.tree.parents == tree.parents + (5, 6)
+    assert grown.tokens.tolist() == [[10, 11, 12, 13, 14, 15, 7, 8], [20, 21, 22, 23, 24, 25, 3, -1]]
+    assert grown.score[0, 6:].tolist() == [-5.0, -5.0]  # as the node they hang from
+    assert proposal.graft(torch.tensor([[11, 14], [0, 0]])) is proposal  # the tree holds the whole chain
+    assert proposal.graft(torch.tensor([[9], [9]])).tree.parents == tree.parents + (-1,)  # a new child of the root
+    with pytest.raises(ValueError, match="greedy"):
+        TreeProposal(tree, tokens, torch.ones(2, 6, 30), proposal.score).graft(torch.tensor([[9], [9]]))
+
+
+@pytest.mark.parametrize("fast_path", ["auto", "off"], ids=["static", "eager_hf"])
+def test_greedy_tree_rounds_with_a_copied_branch_equal_plain_in_fewer_rounds(tiny, fast_path):
+    """The head's tree with prompt lookup's chain as one more branch: plain decoding's tokens, and fewer rounds than
+    the tree alone on this prompt (the copied branch is taken), each round's tree longer than the head's where
+    prompt lookup copied something."""
+    target, head = tiny
+    plain = Engine.from_models(target, [head], kernel_backend="torch").generate(PROMPT, 40, mode="plain").token_ids
+    rounds = {}
+    for copy in (0, 8):
+        round_ = fresh_round(target, head)
+        if fast_path == "off":
+            round_.target = fast_or_eager(target.eval(), 50, mode="off")
+        rows, gen, shape = [list(PROMPT)], torch.Generator().manual_seed(0), replace(SIZES["width2"], copy=copy)
+        round_.start(rows, GREEDY, gen, arms=list(round_.drafters))
+        outs = []
+        while len(rows[0]) - len(PROMPT) < 40:
+            outs.append(round_.run_tree(rows, round_.drafters["draft_head"], shape, GREEDY, gen))
+        assert rows[0][len(PROMPT):len(PROMPT) + 40] == plain
+        rounds[copy] = len(outs)
+        assert any(out.tree[0] > SIZES["width2"].size for out in outs) == bool(copy)
+    assert rounds[8] < rounds[0]
 
 
 def test_the_caches_end_on_the_accepted_path(tiny):
@@ -103,15 +143,19 @@ def test_emitted_tokens_follow_target(name, sampling, captured):
     assert chi2(second, p2.float()) < CRITICAL
 
 
+@pytest.mark.parametrize("copy", [0, 8], ids=["", "copied_branch"])
 @pytest.mark.parametrize("drafters", [["draft_head"], None], ids=["head", "bandit"])
-def test_engine_streams_with_trees_equal_plain(tiny, drafters):
+def test_engine_streams_with_trees_equal_plain(tiny, drafters, copy):
+    """Trees in the engine's streams, with prompt lookup's chain as one more branch where asked (fed to it even
+    where it is not among the stream's arms)."""
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch")
     plain = engine.generate(PROMPT, 40, mode="plain").token_ids
-    result = engine.generate(PROMPT, 40, drafters=drafters, tree=SIZES["width4"])
+    result = engine.generate(PROMPT, 40, drafters=drafters, tree=replace(SIZES["width4"], copy=copy))
     assert result.token_ids == plain
     trees = [e for e in result.events if e.drafter == "draft_head" and e.gamma]  # the last round may have no room
     assert trees and all(e.tree_nodes > 0 for e in trees)
+    assert any(e.tree_nodes > SIZES["width4"].size for e in trees) == bool(copy)
     assert all(e.tree_nodes == 0 for e in result.events if e.drafter != "draft_head")
 
 
