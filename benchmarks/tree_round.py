@@ -57,12 +57,13 @@ def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, see
     outs, t0 = [], time.perf_counter()
     while len(rows[0]) - len(ids) < max_new:
         room = max_new - (len(rows[0]) - len(ids)) - 1  # drafts that still fit
-        if on_graph and room < config.depth:  # the stream's end: as the engine,
+        if on_graph and room < config.longest:  # the stream's end: as the engine,
             out = round_.run(rows, head, room, sampling, gen)  # a chain on its graph (a cut tree has none)
         elif on_graph:
             out = round_.run_tree(rows, head, config.fixed, sampling, gen)
         elif isinstance(config, TreeSize) and room > 0:  # tree "auto" sized as the engine sizes it (tree_plan)
-            shape, nodes = engine.policy.tree_plan(s, "draft_head", replace(config, depth=min(config.depth, room)))
+            cut = replace(config, depth=min(config.depth, room), copy=min(config.copy, room))
+            shape, nodes = engine.policy.tree_plan(s, "draft_head", cut)
             out = round_.run_tree(rows, head, shape, sampling, gen, nodes)
             engine.policy.learn_acceptance(s, "draft_head", out)
         elif isinstance(config, TreeSize):

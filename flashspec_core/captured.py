@@ -85,6 +85,8 @@ class CapturedRound:
         self.params = sampling_params(SamplingConfig(1.0), dev)  # temperature, top_k, top_p while sampling
         self.head_params = self.params.clone()  # the head's (`draft_sampling`: its own draft temperature)
         self.steps = torch.arange(T, device=dev)
+        self.history = torch.full((batch, target.capacity + T + 1), -1, dtype=torch.int64, device=dev)  # ids by
+        #                                 position (the pending one at `length`): what a tree's copied branch reads
         self.generator = torch.Generator(device=dev)  # every random draw of a captured round
         self.graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -117,11 +119,12 @@ class CapturedRound:
         """Whether other arms' rounds leave their slots in the head's backlog (the head waits for several)."""
         return self.head is not None and self.head.catch_up_slots > 1
 
-    def begin(self, pending: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> torch.Generator:
-        """A stream starts: the pending ids [B, 1], the cache length (the target's), the sampling settings and the
-        random state (`generator`'s, copied in when graphs replay on their own generator). Returns the generator
-        the rounds draw from."""
-        self.pending.copy_(pending)
+    def begin(self, rows: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> torch.Generator:
+        """A stream starts: its ids [B, n] (the last one pending), the cache length (the target's), the sampling
+        settings and the random state (`generator`'s, copied in when graphs replay on their own generator).
+        Returns the generator the rounds draw from."""
+        self.pending.copy_(rows[:, -1:])
+        self.history[:, :rows.shape[1]].copy_(rows)
         self.length.fill_(self.target.length)
         if self.head is not None:
             self.head_length.fill_(self.target.length)  # the head's start (or `prompt`) passes over the prompt
@@ -225,10 +228,35 @@ class CapturedRound:
             self._store(aux, result.tokens, K)
         elif shape.observe:
             self.head.observe_at(aux, result.tokens, kept, pos, shape.S)
+        self._remember(result.tokens)
         self.length.add_(kept + 1)
         if shape.observe and not shape.defer:
             self.head_length.copy_(self.length)  # the head is current
         return packed
+
+    def _remember(self, emitted: torch.Tensor) -> None:
+        """A round's emitted ids [B, W] (the kept ones, then the next pending one, then -1s) into `history` after the
+        pending id; the next round overwrites what lies past its own pending id."""
+        self.history.index_copy_(1, self.length + 1 + self.steps[:emitted.shape[1]], emitted)
+
+    def copied(self, C: int, longest: int = 4) -> torch.Tensor:
+        """Prompt lookup on the device, for a tree's copied branch: per row, the C ids after the latest earlier
+        occurrence of the longest (2..longest) run of its last ids (the pending one last), -1 where there is none
+        or past the pending id. [B, C] int64."""
+        hist, end = self.history, self.length.view(1, 1)  # end: the pending id's position
+        pos = torch.arange(hist.shape[1], device=hist.device)[None, :]  # where an earlier run ends
+        run = pos < end  # [1, P]: runs that end before the pending id
+        score = torch.full(hist.shape, -1, dtype=torch.int64, device=hist.device)
+        for g in range(longest):  # run: the g + 1 ids ending at pos equal the g + 1 ending at the pending id
+            same = hist.gather(1, (pos - g).clamp_min(0).expand(hist.shape[0], -1)) == \
+                hist.gather(1, (end - g).clamp_min(0).expand(hist.shape[0], 1))
+            run = run & same & (pos >= g)
+            if g:
+                score = torch.where(run, g * hist.shape[1] + pos, score)  # longer runs first, then the latest
+        best, at = score.max(dim=1)  # [B]
+        src = at[:, None] + 1 + self.steps[:C]  # [B, C]
+        ids = hist.gather(1, src.clamp_max(hist.shape[1] - 1))
+        return torch.where((best[:, None] >= 0) & (src <= end), ids, -1)
 
     def _store(self, aux: torch.Tensor, emitted: torch.Tensor, K: int) -> None:
         """A deferred round's K + 1 verified slots into the head's backlog after those waiting: their features (aux
@@ -246,9 +274,11 @@ class CapturedRound:
         greedy = shape.greedy
         proposal = self.head.propose_tree_at(shape.tree, self.length, shape.S) if greedy else \
             self.head.propose_sampled_tree_at(shape.tree, self.length, shape.S, self.head_params, self.generator)
+        if greedy and shape.tree.copy:  # prompt lookup's chain as one more branch
+            proposal = proposal.graft_at(self.copied(shape.tree.copy))
         tree, guess = proposal.tree, [self.head.fixed.guess] if shape.observe else []
-        logits, aux = self.target.forward_tree_at(torch.cat([self.pending, proposal.tokens], dim=1), tree,
-                                                  self.length, shape.S)
+        fed = torch.cat([self.pending, proposal.tokens.clamp_min(0)], dim=1)  # (a -1 node is never accepted)
+        logits, aux = self.target.forward_tree_at(fed, tree, self.length, shape.S)
         logits = logits[..., :self.target.vocab_size].float()  # [B, N+1, V]
         p = logits if greedy else logits_to_probs_at(logits, self.params)
         result = verify_tree(tree, proposal.tokens, proposal.q, p, generator=self.generator, greedy=greedy,
@@ -261,6 +291,7 @@ class CapturedRound:
         if shape.observe:
             hidden = aux.gather(1, path[..., None].expand(-1, -1, aux.shape[-1]))  # the kept slots' features
             self.head.observe_at(hidden, result.tokens, kept, self.length + self.steps[:path.shape[1]], shape.S)
+        self._remember(result.tokens)
         self.length.add_(kept + 1)
         if shape.observe:
             self.head_length.copy_(self.length)
@@ -323,7 +354,8 @@ def pack_tree(result, p: torch.Tensor, drafted: torch.Tensor, guesses: list[torc
     guesses' row 0. Row B+2: row 0's drafted tokens. p is [B, N+1, V]. Ids < 2^24 are exact in float32. (A
     captured round appends one more row, the tree's parents: its host cannot know the shape otherwise.)"""
     n0 = result.num_accepted[:1]  # [1]
-    p_nodes = p[0].index_select(0, tree.parent_slots(p.device)).gather(-1, drafted[0][:, None]).squeeze(-1)  # [N]
+    at = tree.parent_slots(p.device)
+    p_nodes = p[0].index_select(0, at).gather(-1, drafted[0].clamp_min(0)[:, None]).squeeze(-1)  # [N] (-1: none)
     last = result.path[0].gather(0, (n0 - 1).clamp(min=0))  # the last accepted node (if any)
     stop = torch.where(n0 > 0, last + 1, torch.zeros_like(last))  # its slot, or the root's
     p_last = p[0].index_select(0, stop).gather(-1, result.tokens[0].gather(0, n0)[:, None]).view(1)

@@ -80,6 +80,26 @@ class TreeProposal:
         return TreeProposal(DraftTree(parents), torch.cat([self.tokens, chain[:, m:].to(self.tokens.device)], dim=1),
                             None, torch.cat([self.score, above.expand(-1, C)], dim=1))
 
+    def graft_at(self, chain: torch.Tensor) -> "TreeProposal":
+        """`graft` inside a captured round, with no host read: the tree a `TensorTree`, chain [B, C] (-1: no token)
+        on the device. It always adds C nodes (a graph keeps its shapes): below the node where row 0's chain leaves
+        the tree, the chain's remaining tokens, then -1s (never accepted) for the ones the tree already held. The
+        depth bound grows by C, the child bound by one."""
+        tree, tokens = self.tree, self.tokens
+        N, (B, C) = tree.N, chain.shape
+        at = torch.full((), -1, dtype=torch.int64, device=tokens.device)
+        m = torch.zeros((), dtype=torch.int64, device=tokens.device)  # chain tokens the tree holds, from the root
+        for j in range(C):
+            hit = (tree.parents == at) & (tokens[0] == chain[0, j]) & (m == j)  # [N]: at's child with token j
+            at = torch.where(hit.any(), hit.to(torch.int8).argmax(), at)
+            m = m + hit.any()
+        take = m + torch.arange(C, device=tokens.device)  # [C] the chain's positions the new nodes carry
+        new = torch.where(take < C, chain.gather(1, take.clamp_max(C - 1).expand(B, -1)), -1)
+        parents = torch.cat([tree.parents, at.view(1), torch.arange(N, N + C - 1, device=tokens.device)])
+        above = torch.where(at >= 0, self.score.index_select(1, at.clamp_min(0).view(1)), 0.0)  # [B, 1]
+        return TreeProposal(TensorTree(parents, tree.max_depth + C, tree.width + 1), torch.cat([tokens, new], 1),
+                            None, torch.cat([self.score, above.expand(-1, C)], dim=1))
+
 
 class Drafter:
     name = "drafter"

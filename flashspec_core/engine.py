@@ -238,7 +238,7 @@ class Engine:
         state = StreamState(rows=[ids], sampling=sampling, gamma=gamma, mode=mode, arms=arms, max_new_tokens=max_new_tokens,
                             generator=torch.Generator(device=self.target.device).manual_seed(int(seed)),
                             bandit=Bandit(arms, bandit or self.bandit_strategy, self.window, int(seed)) if len(arms) > 1 else None,
-                            tree=tree)
+                            tree=tree.taken(sampling.greedy) if tree is not None else None)
         return self._one_stream_at_a_time(self._stream(state))
 
     @functools.cached_property
@@ -286,7 +286,8 @@ class Engine:
         t0 = time.perf_counter()
         self.calibrate()
         for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
-            fixed = [t.fixed for t in trees if sampling.greedy or not t.auto]  # a sampled "auto" takes chains
+            fixed = [t.taken(sampling.greedy).fixed for t in trees if sampling.greedy or not t.auto]  # (sampled
+            #                                                                          "auto" takes chains)
             self.round.warm_up(sampling, max_context, trees=list(dict.fromkeys(fixed)))
         if tree_tokens:
             self.round.warm_up_trees(max_context, tree_tokens)
@@ -357,7 +358,7 @@ class Engine:
         flight waits (unlaunched) where the stream's end could cut its K."""
         if turn.launched is None:
             turn.limit = self._limit(s, uncounted, in_flight)
-            if in_flight == 0 or turn.limit >= max(s.max_gamma, getattr(s.tree, "depth", 0)):
+            if in_flight == 0 or turn.limit >= max(s.max_gamma, getattr(s.tree, "longest", 0)):
                 drafter = self.drafters[turn.arm]
                 tree = self._captured_tree(s, drafter, turn.limit)
                 k = 0 if tree else self.policy.gamma(s, turn.arm, turn.limit)
@@ -370,7 +371,7 @@ class Engine:
         depth."""
         tree = _captured_shape(s)
         head = isinstance(drafter, DraftHeadDrafter) and self.round.captured is not None
-        return tree if tree is not None and head and limit >= tree.depth else None
+        return tree if tree is not None and head and limit >= tree.longest else None
 
     def _limit(self, s: StreamState, uncounted: int = 0, in_flight: int = 0) -> int:
         """The most tokens a round may draft: K + 1 fit the tokens left and the context window. `uncounted`: tokens
@@ -387,7 +388,8 @@ class Engine:
         if captured_tree is not None:  # one graph: the fixed shape (tree auto: its bound)
             out = self.round.run_tree(s.rows, drafter, captured_tree, s.sampling, s.generator)
         elif s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0 and self.round.captured is None:
-            shape, nodes = self.policy.tree_plan(s, arm, replace(s.tree, depth=min(s.tree.depth, limit)))
+            cut = replace(s.tree, depth=min(s.tree.depth, limit), copy=min(s.tree.copy, limit))
+            shape, nodes = self.policy.tree_plan(s, arm, cut)
             out = self.round.run_tree(s.rows, drafter, shape, s.sampling, s.generator, nodes)
         else:  # a chain (on a captured round also where the stream's end would cut a tree's depth: it has no graph)
             out = self.round.run(s.rows, drafter, self.policy.gamma(s, arm, limit), s.sampling, s.generator)

@@ -71,8 +71,8 @@ class Launched:
 
     @property
     def most(self) -> int:
-        """The most tokens the round may append to the rows: a chain's K + 1, a tree's depth + 1."""
-        return self.K + 1 if self.tree is None else self.tree.depth + 1
+        """The most tokens the round may append to the rows: a chain's K + 1, a tree's longest path + 1."""
+        return self.K + 1 if self.tree is None else self.tree.longest + 1
 
 
 @dataclass
@@ -175,7 +175,7 @@ class DeviceRound:
             hidden = self.target.aux
         c = self.captured
         if c is not None:
-            generator = c.begin(torch.tensor([r[-1:] for r in rows], device=self.device), sampling, generator)
+            generator = c.begin(torch.tensor(rows, device=self.device), sampling, generator)
         for d in self.fed:
             in_graphs = c is not None and d is c.head and hidden is not None and c.takes_prompt(hidden.shape[1])
             d.start(rows, sampling, generator, hidden=hidden if d.aux_layers and not in_graphs else None)
@@ -504,6 +504,9 @@ class DeviceRound:
         observe, head = bool(self.target.aux_layers), self.captured.head is not None
         buckets = [S for S in self.target.buckets if S <= self.target.bucket(max_context)]
         N = captured_nodes(tree, sampling.greedy) if tree is not None else 0
+        if N + 1 > self.target.max_graph_tokens:
+            raise ValueError(f"a captured tree round verifies at most {self.target.max_graph_tokens - 1} drafted "
+                             f"tokens; this tree has {N} (its nodes and its copied branch): ask for a smaller one")
         trees = [Shape(True, N, S, sampling.greedy, True, tree) for S in buckets if S > N] \
             if tree is not None and observe and head else []
         defers = observe and head and self.captured.defers

@@ -45,7 +45,8 @@ class TreeSize:
     top_k: int  # children per expanded node, and nodes expanded per level
     size: int  # nodes kept (the tree verified in one forward has size + 1 slots)
     auto: bool = False  # verify only the best first n of the size nodes, n chosen per round from measured costs
-    copy: int = 0  # greedy eager rounds: at most this many tokens of a copy drafter's chain join as one more branch
+    copy: int = 0  # greedy: up to this many copied tokens join as one more branch (eager rounds: a copy drafter's
+    #                chain, `CopyDrafter.branch`; captured ones: prompt lookup on the device, `CapturedRound.copied`)
 
     def __post_init__(self):
         for name in ("depth", "top_k", "size", "copy"):
@@ -59,6 +60,15 @@ class TreeSize:
     def width(self) -> int:
         """The nodes a greedy tree expands per level below the root: its min(top_k, size) best candidates."""
         return min(self.top_k, self.size)
+
+    @property
+    def longest(self) -> int:
+        """The most drafted tokens one round may accept: the depth, or a copied branch's length."""
+        return max(self.depth, self.copy)
+
+    def taken(self, greedy: bool) -> "TreeSize":
+        """The shape a stream takes: a copied branch joins greedy trees only."""
+        return self if greedy or not self.copy else replace(self, copy=0)
 
     @property
     def nodes(self) -> int:
@@ -89,6 +99,7 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     proposal = drafter.propose_tree(rows, shape.depth, shape.top_k, shape.size)  # draft
     if nodes is not None and proposal.tree.N:
         proposal = proposal.first(nodes(proposal.score[0].tolist()))
+    drafted = proposal.tree.max_depth  # the head's levels (a copied branch may go deeper)
     chain = _copied(round_, rows, shape.copy) if sampling.greedy and shape.copy else None
     if chain is not None:
         proposal = proposal.graft(chain)
@@ -115,7 +126,7 @@ def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: Tr
     hidden = None if aux is None else aux.gather(1, (kept - start).to(aux.device)[..., None].expand(-1, -1, aux.shape[-1]))
     round_._update(rows, L + m, hidden)
     nodes = [int(t) for t in host[B + 2][:tree.N]]
-    return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], guessers, timer.done())
+    return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], guessers, timer.done(), drafted)
 
 
 def _copied(round_, rows: list[list[int]], k: int) -> torch.Tensor | None:
@@ -130,8 +141,9 @@ def _copied(round_, rows: list[list[int]], k: int) -> torch.Tensor | None:
 
 
 def captured_nodes(shape: TreeSize, greedy: bool) -> int:
-    """The nodes a captured tree round of this shape drafts: greedy, `shape.nodes`; sampled, its static shape's."""
-    return shape.nodes if greedy else shape.sampled.N
+    """The nodes a captured tree round of this shape verifies: greedy, `shape.nodes` and the copied branch's;
+    sampled, its static shape's."""
+    return shape.nodes + shape.copy if greedy else shape.sampled.N
 
 
 def launch_tree(round_, drafter: DraftHeadDrafter, shape: TreeSize, greedy: bool = True):
@@ -157,13 +169,15 @@ def land_tree(round_, rows: list[list[int]], launched, first=None) -> RoundOutpu
     """`DeviceRound.land` for a launched tree round: read its record, accept on the rows, move the host's lengths
     and let the drafters learn (`first` now, the others at `settle`)."""
     host = launched.packed.tolist()
-    B, L, depth = len(rows), len(rows[0]), launched.tree.depth
+    B, L, depth = len(rows), len(rows[0]), launched.tree.depth + launched.tree.copy  # the record's path length
     counts, tokens, paths = _accept(rows, host, depth)
     round_.landed(rows, L + min(counts), first)  # the device compacted the accepted path; the host's count follows
-    tree = DraftTree(tuple(int(x) for x in host[B + 3][:launched.K]))
-    nodes = [int(t) for t in host[B + 2][:tree.N]]
+    nodes = [int(t) for t in host[B + 2][:launched.K]]
+    live = len(nodes) - next((i for i, t in enumerate(reversed(nodes)) if t >= 0), len(nodes))  # a copied branch's
+    nodes = nodes[:live]  # trailing -1 nodes (copies the tree held) are not shown
+    tree = DraftTree(tuple(int(x) for x in host[B + 3][:live]))
     return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], launched.guessers,
-                   round_.landing_times(launched.timer))
+                   round_.landing_times(launched.timer), launched.tree.depth)
 
 
 def _accept(rows: list[list[int]], host: list[list[float]], D: int):
@@ -178,9 +192,11 @@ def _accept(rows: list[list[int]], host: list[list[float]], D: int):
     return counts, tokens, paths
 
 
-def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, guessers, times) -> RoundOutput:
+def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, guessers, times,
+            drafted: int) -> RoundOutput:
     """Row 0's round as a chain for events: its accepted path, then the stop node's children (all rejected); and its
-    whole tree, for a view of every branch."""
+    whole tree, for a view of every branch. drafted: the head's levels (`RoundOutput.tree`'s depth, what the
+    policy prices its drafting by)."""
     n = counts[0]
     stop = path[n - 1] + 1 if n else 0  # the stop node's slot (0 = the root)
     shown = path[:n] + list(tree.children[stop])  # node indices: the accepted path, then the children tried
@@ -190,5 +206,5 @@ def _output(tree, nodes: list[int], counts, tokens, path, p_row, guess_row, gues
     draft_s, verify_s, device_s = times  # `RoundTimer.done`'s
     return RoundOutput(counts, [t + [-1] * (K + 1 - len(t)) for t in tokens], draft, p, [1.0] * K, draft_s,
                        verify_s, {name: int(g) for name, g in zip(guessers, guess_row)}, device_s,
-                       tree=(tree.N, tree.max_depth),
+                       tree=(tree.N, drafted),
                        drafted_tree=DraftedTree(tuple(nodes), tree.parents, tuple(path[:n])))

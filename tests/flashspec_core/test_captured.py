@@ -7,6 +7,7 @@ import torch
 
 from flashspec_core import Engine, SamplingConfig
 from flashspec_core.sampling import logits_to_probs, logits_to_probs_at, sampling_params
+from flashspec_core.tree_round import TreeSize
 from tests.conftest import tiny_llama
 from tests.flashspec_core.test_distribution import PROMPT as LAW_PROMPT
 from tests.flashspec_core.test_distribution import CRITICAL, N, V, chi2, exact_laws, first_two_tokens
@@ -44,6 +45,25 @@ def test_greedy_captured_equals_plain(tiny, drafters):
         result = engine.generate(PROMPT, 48, gamma=gamma, drafters=drafters)
         assert engine.round.captured is not None
         assert result.token_ids == plain, gamma
+
+
+@pytest.mark.parametrize("drafters", [["draft_head"], None], ids=["head", "bandit"])
+def test_greedy_captured_trees_with_a_copied_branch_equal_plain(tiny, drafters):
+    """Captured tree rounds (launched ahead where they can be) whose copied branch comes from the device's own
+    lookup over the ids it emitted: plain decoding's tokens, and rounds whose tree holds a copy; at temperature 1
+    the branch is dropped (it joins greedy trees only)."""
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
+    plain = engine.generate(PROMPT, 48, mode="plain").token_ids
+    tree = TreeSize(3, 2, 6, copy=8)
+    result = engine.generate(PROMPT, 48, drafters=drafters, tree=tree)
+    assert result.token_ids == plain
+    trees = [e.tree_nodes for e in result.events if e.tree_nodes]
+    assert trees and max(trees) > tree.nodes and engine.round.launched_ahead > 0
+    sampled = engine.generate(PROMPT, 24, sampling=T1, drafters=drafters, tree=tree)
+    assert all(e.tree_nodes <= tree.sampled.N for e in sampled.events)
+    with pytest.raises(ValueError, match="at most 32 drafted tokens"):
+        engine.generate(PROMPT, 8, drafters=["draft_head"], tree=TreeSize(6, 4, 32, copy=4))
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "t1"])

@@ -62,20 +62,21 @@ def test_a_copied_chain_hangs_below_the_node_where_the_tree_stops_following_it()
         TreeProposal(tree, tokens, torch.ones(2, 6, 30), proposal.score).graft(torch.tensor([[9], [9]]))
 
 
-@pytest.mark.parametrize("fast_path", ["auto", "off"], ids=["static", "eager_hf"])
-def test_greedy_tree_rounds_with_a_copied_branch_equal_plain_in_fewer_rounds(tiny, fast_path):
-    """The head's tree with prompt lookup's chain as one more branch: plain decoding's tokens, and fewer rounds than
-    the tree alone on this prompt (the copied branch is taken), each round's tree longer than the head's where
-    prompt lookup copied something."""
+@pytest.mark.parametrize("path", ["static", "eager_hf", "captured"])
+def test_greedy_tree_rounds_with_a_copied_branch_equal_plain_in_fewer_rounds(tiny, path):
+    """The head's tree with a copied chain as one more branch (eager rounds: prompt lookup's; the captured round's
+    code: its own lookup on the device): plain decoding's tokens, and fewer rounds than the tree alone on this
+    prompt (the copied branch is taken), each round's tree larger than the head's where a copy was found."""
     target, head = tiny
     plain = Engine.from_models(target, [head], kernel_backend="torch").generate(PROMPT, 40, mode="plain").token_ids
     rounds = {}
     for copy in (0, 8):
-        round_ = fresh_round(target, head)
-        if fast_path == "off":
+        round_ = fresh_round(target, head, captured="eager" if path == "captured" else "auto")
+        if path == "eager_hf":
             round_.target = fast_or_eager(target.eval(), 50, mode="off")
         rows, gen, shape = [list(PROMPT)], torch.Generator().manual_seed(0), replace(SIZES["width2"], copy=copy)
         round_.start(rows, GREEDY, gen, arms=list(round_.drafters))
+        assert (round_.captured is not None) == (path == "captured")
         outs = []
         while len(rows[0]) - len(PROMPT) < 40:
             outs.append(round_.run_tree(rows, round_.drafters["draft_head"], shape, GREEDY, gen))
