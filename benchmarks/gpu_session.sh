@@ -47,6 +47,8 @@
 # The two-part phases (a, b, stash, train) take .carry/a/gguf.part1 and .carry/b/gguf.part2: they date from a tree
 # under ~15 MB and no longer fit beside today's.
 # Logs and JSON go to $OUT (the files also land in benchmarks/results/ of the working copy there).
+# The copy there may carry stale git metadata: name the code's commit for the results' "commit" field, e.g.
+#   FLASHSPEC_COMMIT=6129b00 RUN_ARGS="..." bash benchmarks/gpu_session.sh r3
 set -uo pipefail
 phase=$1
 export PYTHONUNBUFFERED=1 FLASHSPEC_CACHE=/root/flashspec-cache
@@ -155,7 +157,7 @@ r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RU
   while IFS= read -r args; do
     [ -z "$args" ] && continue
     echo "== benchmarks.run $args"
-    set -- $args; envs=()  # leading NAME=value words are the run's environment (e.g. FLASHSPEC_LAYER_OPS=torch)
+    eval "set -- $args"; envs=()  # shell words (quotes keep "code edit" one); leading NAME=value: its environment
     while [[ "${1:-}" == *=* ]]; do envs+=("$1"); shift; done
     timeout ${RUN_TIMEOUT:-280} env "${envs[@]}" python3 -m benchmarks.run --preset embedded "$@" 2>&1 \
       | grep -v -i "loading weights\|de-quantizing\|clean_up_tokenization" | tail -${RUN_TAIL:-30}
