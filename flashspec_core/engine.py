@@ -286,8 +286,8 @@ class Engine:
         t0 = time.perf_counter()
         self.calibrate()
         for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
-            fixed = [t.taken(sampling.greedy).fixed for t in trees if sampling.greedy or not t.auto]  # (sampled
-            #                                                                          "auto" takes chains)
+            # a sampled "auto" takes chains; a sampled tree drops its copied branch
+            fixed = [t.taken(sampling.greedy).fixed for t in trees if sampling.greedy or not t.auto]
             self.round.warm_up(sampling, max_context, trees=list(dict.fromkeys(fixed)))
         if tree_tokens:
             self.round.warm_up_trees(max_context, tree_tokens)
