@@ -10,7 +10,7 @@ from flashspec_core import Engine, SamplingConfig
 from flashspec_core.drafters import DraftHeadDrafter, TreeProposal
 from flashspec_core.fast_path import fast_or_eager
 from flashspec_core.round import DeviceRound
-from flashspec_core.tree import DraftTree
+from flashspec_core.tree import DraftTree, TensorTree
 from flashspec_core.tree_round import TreeSize
 from tests.conftest import tiny_llama
 from tests.flashspec_core.test_distribution import CRITICAL, N, V, chi2, exact_laws
@@ -60,6 +60,25 @@ def test_a_copied_chain_hangs_below_the_node_where_the_tree_stops_following_it()
     assert proposal.graft(torch.tensor([[9], [9]])).tree.parents == tree.parents + (-1,)  # a new child of the root
     with pytest.raises(ValueError, match="greedy"):
         TreeProposal(tree, tokens, torch.ones(2, 6, 30), proposal.score).graft(torch.tensor([[9], [9]]))
+
+
+@pytest.mark.parametrize("chain", [[11, 15, 7, 8], [11, 14, 3, 4], [9, 8, 7, 6], [11, 15, -1, -1]])
+def test_the_device_graft_is_the_host_graft_with_the_copies_the_tree_held_as_minus_one(chain):
+    """`graft_at` (a captured round's, fixed C nodes) against `graft` (the host's): the same parents and tokens for
+    the nodes `graft` adds, then -1 nodes continuing the branch, and a tree whose views match `DraftTree`'s."""
+    tree = DraftTree.full((2, 2))
+    tokens = torch.tensor([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]])
+    score = -torch.arange(6.0).expand(2, -1)
+    chains = torch.tensor([chain, [1, 2, 3, 4]])
+    host = TreeProposal(tree, tokens, None, score).graft(chains[:, :sum(t >= 0 for t in chain)])
+    on_device = TensorTree(torch.tensor(tree.parents), tree.max_depth, 2)
+    device = TreeProposal(on_device, tokens, None, score).graft_at(chains)
+    n = host.tree.N
+    assert device.tree.parents[:n].tolist() == list(host.tree.parents)
+    assert device.tokens[:, :n].tolist() == host.tokens.tolist()
+    assert (device.tokens[0, n:] == -1).all() and device.tree.N == tree.N + 4
+    grown = DraftTree(tuple(device.tree.parents.tolist()))
+    assert torch.equal(device.tree.child_table()[:, :grown.child_table().shape[1]], grown.child_table())
 
 
 @pytest.mark.parametrize("path", ["static", "eager_hf", "captured"])
