@@ -201,7 +201,7 @@ def parse_args(argv=None):
                     help="add Hugging Face generate() with a static cache under torch.compile (CUDA; warm-up untimed)")
     ap.add_argument("--tree", default=None, help="the draft head's trees in the bandit and fixed:draft_head rows: "
                     "DEPTH,TOP_K,SIZE, or auto (up to 6,4,32, sized each round; on a GPU its bound, sampled: its static shape), "
-                    "then optionally ,copyN (greedy eager rounds: N tokens of prompt lookup's chain as one more branch)")
+                    "then optionally ,copyN (greedy: up to N copied tokens as one more branch, TreeSize.copy)")
     ap.add_argument("--head-catch-up", type=int, default=None,
                     help="verified slots that wait before the draft head's first pass (1: every round, inside a "
                     "captured round; default: the head's own, CATCH_UP)")
@@ -217,8 +217,8 @@ def parse_args(argv=None):
 
 
 def parse_tree(text: str | None) -> TreeSize | None:
-    """--tree's value as a TreeSize (None: chains): DEPTH,TOP_K,SIZE or auto, then optionally ",copyN" (greedy eager
-    rounds: up to N tokens of prompt lookup's chain join the tree as one more branch, `TreeSize.copy`)."""
+    """--tree's value as a TreeSize (None: chains): DEPTH,TOP_K,SIZE or auto, then optionally ",copyN" (greedy: up
+    to N copied tokens join the tree as one more branch, `TreeSize.copy`)."""
     if text is None:
         return None
     head, _, copy = text.partition(",copy")

@@ -173,9 +173,9 @@ def land_tree(round_, rows: list[list[int]], launched, first=None) -> RoundOutpu
     counts, tokens, paths = _accept(rows, host, depth)
     round_.landed(rows, L + min(counts), first)  # the device compacted the accepted path; the host's count follows
     nodes = [int(t) for t in host[B + 2][:launched.K]]
-    live = len(nodes) - next((i for i, t in enumerate(reversed(nodes)) if t >= 0), len(nodes))  # a copied branch's
-    nodes = nodes[:live]  # trailing -1 nodes (copies the tree held) are not shown
-    tree = DraftTree(tuple(int(x) for x in host[B + 3][:live]))
+    while nodes and nodes[-1] < 0:  # a copied branch's trailing -1 nodes (copies the tree held) are not shown
+        nodes.pop()
+    tree = DraftTree(tuple(int(x) for x in host[B + 3][:len(nodes)]))
     return _output(tree, nodes, counts, tokens, paths[0], host[B], host[B + 1], launched.guessers,
                    round_.landing_times(launched.timer), launched.tree.depth)
 
