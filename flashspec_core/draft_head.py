@@ -525,8 +525,9 @@ def load_head(folder: Path, target_config, embed: torch.Tensor, device=None, dty
         fields = dict(raw["flashspec"])
         cfg = HeadConfig(**{**fields, "aux_layers": tuple(fields["aux_layers"])})
         weights = load_file(str(folder / WEIGHTS_FILE))
-    except FileNotFoundError as e:
-        raise HeadMismatchError(f"draft head file missing: {Path(e.filename).name} in {folder.name}/") from None
+    except FileNotFoundError as e:  # safetensors' own error carries no file name
+        name = Path(e.filename).name if e.filename else WEIGHTS_FILE
+        raise HeadMismatchError(f"draft head file missing: {name} in {folder.name}/") from None
     except (KeyError, TypeError, ValueError, json.JSONDecodeError, SafetensorError) as e:
         raise HeadMismatchError(f"draft head in {folder.name}/ is malformed: {e}") from None
     expected = (target_config.hidden_size, target_config.vocab_size, target_config.num_hidden_layers)

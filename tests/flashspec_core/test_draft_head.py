@@ -240,6 +240,9 @@ def test_missing_or_mismatched_head_files_give_clear_errors(target, tmp_path):
     other = tiny_llama(vocab=60, seed=1, layers=4)
     with pytest.raises(HeadMismatchError, match="made for a target"):
         load_head(tmp_path, other.config, other.get_input_embeddings().weight)
+    (tmp_path / "model.safetensors").rename(tmp_path / "aside.safetensors")
+    with pytest.raises(HeadMismatchError, match="missing: model.safetensors"):
+        load_head(tmp_path, target.config, embed)
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(HeadMismatchError, match="malformed"):
         load_head(tmp_path, target.config, embed)
