@@ -43,7 +43,8 @@
 # The tracked tree is ~37 MB, 29 MB of it the shipped head's weights: the p3 calls (r3, t3, headgo, resumego) need
 # them and carry the smallest part (14.4 MB: ~51 MB a call); the stash calls (p1/r1, p2/r2, 42 MB parts) fit under
 # the limit with the head's model.safetensors set aside outside the checkout for the call (their tests use tiny
-# heads).
+# heads). Simplest: keep it aside for the whole session, a copy in .carry/head/, and start each p3 call with
+#   cp .carry/head/model.safetensors assets/draft_head/ && ...   (carry [".carry/p3", ".carry/head"])
 # The two-part phases (a, b, stash, train) take .carry/a/gguf.part1 and .carry/b/gguf.part2: they date from a tree
 # under ~15 MB and no longer fit beside today's.
 # Logs and JSON go to $OUT (the files also land in benchmarks/results/ of the working copy there).
@@ -82,6 +83,10 @@ watch_run() {  # follow /root/train.log until the run ends or $1 seconds pass
   kill -0 "$(cat /root/train.pid)" 2>/dev/null && echo "still running" && return 1
   echo "run ended"; tail -25 /root/train.log; return 0
 }
+snapshot() {  # a copy of the checkout for a background run (each call gets a fresh checkout, without the files that
+  # call did not carry: a run reading the checkout it started from lost its --init head that way)
+  rm -rf /root/run && mkdir -p /root/run && cp -a . /root/run/
+}
 bring_back() {  # the checkpoint folder (weights, AdamW moments, meta), one level down in $OUT (files under 15 MB each);
   # NO_OPT=1 leaves the moments behind (a wider head's would pass the 8 files / 64 MiB a call brings back)
   mkdir -p "$OUT/ckpt" && cp /root/ckpt/head-*.safetensors /root/ckpt/meta.json "$OUT/ckpt/"
@@ -119,6 +124,7 @@ p2)  # and the training loss's CUDA test (compiled under autocast), so a broken 
     -k fused 2>&1 | tail -4 ;;
 headgo)
   assemble3
+  snapshot && cd /root/run  # the next call replaces the checkout here: the run reads its own copy (--init too)
   setsid nohup python3 -m flashspec_core.train_head --ckpt /root/ckpt --out /root/head_out ${TRAIN_ARGS:-} > /root/train.log 2>&1 < /dev/null &
   echo $! > /root/train.pid
   watch_run ${WATCH_S:-520} ;;
@@ -132,6 +138,7 @@ ckpt)
   mkdir -p /root/ckpt && for d in .carry/ck*/; do cp $d* /root/ckpt/; done; ls -la /root/ckpt ;;
 resumego)
   assemble3
+  snapshot && cd /root/run
   setsid nohup python3 -m flashspec_core.train_head --ckpt /root/ckpt --out /root/head_out --resume ${TRAIN_ARGS:-} > /root/train.log 2>&1 < /dev/null &
   echo $! > /root/train.pid
   watch_run ${WATCH_S:-520} ;;
