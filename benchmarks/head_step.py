@@ -1,14 +1,15 @@
 """The draft head's step against the target's one-token step, on the default CPU path (the file's 4-bit weights).
 
-    python -m benchmarks.head_step [--context 300] [--reps 200] [--repeats 5]
+    python -m benchmarks.head_step [--context 300] [--reps 200] [--repeats 5] [--intermediate 2048]
 
 One draft step is what each drafted token after the first costs: the head's layer over one token at `context`
 verified slots, then its logits over the restricted draft vocabulary and their argmax. It is timed for each way the
 head's products can run: float weights (bfloat16), torch's int8 rows (bfloat16 activations) and the native
 kernel's Q8_0 blocks (float32 activations, the engine's choice beside the 4-bit target where the kernel loads),
 taking turns `--repeats` times; each cell is the median of the repeats' means over `--reps` steps. The target's
-one-token forward is timed the same way in the same process. Writes JSON under benchmarks/results/ and prints a
-table. Numbers, not assertions.
+one-token forward is timed the same way in the same process. `--intermediate` times the shipped head widened to
+that many MLP units (what a wider head would cost before one is trained). Writes JSON under benchmarks/results/
+and prints a table. Numbers, not assertions.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 
 from benchmarks.run import RESULTS, environment
 from flashspec_core import Engine, native
-from flashspec_core.draft_head import HeadCache
+from flashspec_core.draft_head import DraftHead, HeadCache
 
 
 def head_variants(head) -> dict:
@@ -41,6 +42,19 @@ def head_variants(head) -> dict:
             h.pack(native=packing)
         out[name] = (h, dtype)
     return out
+
+
+def widened_head(head, width: int):
+    """A float copy of `head` whose MLP is `width` units wide (the new units silent, `train_head.widened`): what a
+    wider head would cost a step before one is trained."""
+    from dataclasses import replace
+
+    from flashspec_core.train_head import widened
+    h = copy.deepcopy(head)
+    h.unpack()
+    wide = DraftHead(replace(h.cfg, intermediate_size=width), h.embed)
+    wide.load_state_dict(widened(h.state_dict(), wide.state_dict()))
+    return wide.to(next(h.parameters()).dtype)
 
 
 @torch.inference_mode()
@@ -84,10 +98,13 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--intermediate", type=int, default=0, help="time the shipped head with its MLP widened to this "
+                    "many units (0: as shipped)")
     args = ap.parse_args(argv)
     engine = Engine.from_preset("embedded")
     drafter = engine.drafters["draft_head"]
-    variants = head_variants(drafter.head)
+    head = widened_head(drafter.head, args.intermediate) if args.intermediate else drafter.head
+    variants = head_variants(head)
     times = {name: [] for name in [*variants, "target one-token forward"]}
     for _ in range(args.repeats):
         for name, (head, dtype) in variants.items():
@@ -98,10 +115,14 @@ def main(argv=None) -> int:
     env = environment()
     env.update(precision=engine.precision, path=engine.target.path if hasattr(engine.target, "path") else None)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"head_step_cpu_{engine.precision}.json").write_text(json.dumps(
+    width = head.cfg.intermediate_size
+    tag = f"_w{width}" if args.intermediate else ""
+    (RESULTS / f"head_step_cpu_{engine.precision}{tag}.json").write_text(json.dumps(
         {"command": "python -m benchmarks.head_step " + " ".join(sys.argv[1:] if argv is None else argv), "env": env,
-         "context": args.context, "draft_vocab": drafter.limit, "ms": ms, "runs_ms": times}, indent=2))
-    print(f"{env['machine']}, precision {engine.precision}, context {args.context}, draft vocabulary {drafter.limit}\n")
+         "context": args.context, "draft_vocab": drafter.limit, "intermediate": width, "ms": ms, "runs_ms": times},
+        indent=2))
+    print(f"{env['machine']}, precision {engine.precision}, context {args.context}, draft vocabulary {drafter.limit}, "
+          f"MLP {width} units\n")
     print("| step | ms (median) | / target one-token forward |")
     print("|---|---:|---:|")
     for name, value in ms.items():

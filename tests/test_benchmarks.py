@@ -16,7 +16,7 @@ RUNS = {  # benchmark module -> (its command line, {out} the results folder; a f
              "--tag", "smoke"], "engine_embedded_cpu_smoke.json"),
     "head": (["--sets", "open", "--prompts", "1", "--online-k", "2", "--max-new-tokens", "16", "--precision", "gguf",
               "--fixed-chains"], "head_embedded_cpu_gguf.json"),
-    "head_step": (["--reps", "8", "--repeats", "1"], "head_step_cpu_gguf.json"),
+    "head_step": (["--reps", "8", "--repeats", "1", "--intermediate", "2048"], "head_step_cpu_gguf_w2048.json"),
     "head_tree": (["--prompts", "1", "--reps", "1"], "head_tree_cpu_packed.json"),
     "head_feed": (["--prompts", "1", "--max-new-tokens", "8", "--repeats", "1"], "head_feed_cpu_gguf.json"),
     "step_profile": (["--reps", "2", "--prefill", "16"], "step_profile_cpu_gguf.json"),
