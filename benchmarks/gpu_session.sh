@@ -40,8 +40,8 @@
 #   head -c 42000000 "$G" > .carry/p1/gguf.p1 && tail -c +42000001 "$G" | head -c 42000000 > .carry/p2/gguf.p2
 #   tail -c +84000001 "$G" > .carry/p3/gguf.p3
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .carry/p1 gguf==0.19.0
-# The tracked tree is ~37 MB, 29 MB of it the shipped head's weights: the p3 calls (r3, t3, headgo, resumego) need
-# them and carry the smallest part (14.4 MB: ~51 MB a call); the stash calls (p1/r1, p2/r2, 42 MB parts) fit under
+# The tracked tree is ~45 MB, 29 MB of it the shipped head's weights: the p3 calls (r3, t3, headgo, resumego) need
+# them and carry the smallest part (14.4 MB: ~60 MB a call); the stash calls (p1/r1, p2/r2, 42 MB parts) fit under
 # the limit with the head's model.safetensors set aside outside the checkout for the call (their tests use tiny
 # heads). Simplest: keep it aside for the whole session, a copy in .carry/head/, and start each p3 call with
 #   cp .carry/head/model.safetensors assets/draft_head/ && ...   (carry [".carry/p3", ".carry/head"])

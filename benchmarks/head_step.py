@@ -103,8 +103,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     engine = Engine.from_preset("embedded")
     drafter = engine.drafters["draft_head"]
-    head = widened_head(drafter.head, args.intermediate) if args.intermediate else drafter.head
-    variants = head_variants(head)
+    base = widened_head(drafter.head, args.intermediate) if args.intermediate else drafter.head
+    variants = head_variants(base)
     times = {name: [] for name in [*variants, "target one-token forward"]}
     for _ in range(args.repeats):
         for name, (head, dtype) in variants.items():
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     env = environment()
     env.update(precision=engine.precision, path=engine.target.path if hasattr(engine.target, "path") else None)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    width = head.cfg.intermediate_size
+    width = base.cfg.intermediate_size
     tag = f"_w{width}" if args.intermediate else ""
     (RESULTS / f"head_step_cpu_{engine.precision}{tag}.json").write_text(json.dumps(
         {"command": "python -m benchmarks.head_step " + " ".join(sys.argv[1:] if argv is None else argv), "env": env,
