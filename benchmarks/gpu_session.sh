@@ -30,7 +30,9 @@
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
 #            (the export goes to /root/head_out, never to $OUT: its 29 MB model file cannot come back; the float32
 #            shards in $OUT/ckpt can, and `train_head --resume --train-minutes 0` exports them here): the log, the
-#            head's and AdamW's shards, meta.json and corpus.json fill the 8 files a call brings back
+#            head's and AdamW's shards, meta.json and corpus.json fill the 8 files a call brings back (NO_OPT=1: the
+#            run's bank_sources.json.gz in the moments' place; a later headgo reuses it with .carry/<dir>/ carried and
+#            `--set sources=.carry/<dir>/bank_sources.json.gz`, skipping the topics and materials, ~65 s of the data)
 #   shards:  bring back the corpus shards named in SHARDS (at most 4 a call), the run's bank_sources.json.gz and
 #            heldout_prompts.json, for the next session's `old` and the evaluation
 # The machine keeps /root between calls only while it stays warm (30 s): call the next phase at once.
@@ -131,6 +133,8 @@ headgo)
 watch)
   if watch_run ${WATCH_S:-520}; then
     cp /root/train.log "$OUT/" && bring_back && cp /root/ckpt/corpus.json "$OUT/"  # 8 files: the rest with `shards`
+    # without the moments there is room for the run's topics and materials (a later run's `--set sources=`)
+    [ "${NO_OPT:-}" = 1 ] && cp /root/ckpt/bank_sources.json.gz "$OUT/" 2>/dev/null
     [ -n "${EVAL_ARGS:-}" ] && python3 -m benchmarks.head ${EVAL_ARGS} 2>&1 | grep -v -i "loading weights" | tail -40
     cp benchmarks/results/head_embedded_cuda*.json "$OUT/" 2>/dev/null
   fi ;;
