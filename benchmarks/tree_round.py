@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from statistics import mean
 
 import torch
@@ -51,7 +51,7 @@ def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, see
     arms = ["draft_head"] if config else ["no_draft"]  # plain feeds no drafter, as the engine's plain mode
     arms += ["prompt_lookup"] if tree and config.copy else []  # a copied branch's source, fed as the engine feeds it
     round_.start(rows, sampling, gen, len(ids) + max_new + 40, 16, arms=arms, captured=captured,
-                 tree_tokens=config.size + config.copy + 1 if tree else 0,
+                 tree_tokens=config.verify_tokens if tree else 0,
                  tree=config.fixed if tree and captured else None)  # graphs captured here, outside the timed rounds
     on_graph = tree and round_.captured is not None
     outs, t0 = [], time.perf_counter()
@@ -62,8 +62,7 @@ def decode(engine: Engine, ids: list[int], config, sampling: SamplingConfig, see
         elif on_graph:
             out = round_.run_tree(rows, head, config.fixed, sampling, gen)
         elif isinstance(config, TreeSize) and room > 0:  # tree "auto" sized as the engine sizes it (tree_plan)
-            cut = replace(config, depth=min(config.depth, room), copy=min(config.copy, room))
-            shape, nodes = engine.policy.tree_plan(s, "draft_head", cut)
+            shape, nodes = engine.policy.tree_plan(s, "draft_head", config.within(room))
             out = round_.run_tree(rows, head, shape, sampling, gen, nodes)
             engine.policy.learn_acceptance(s, "draft_head", out)
         elif isinstance(config, TreeSize):

@@ -317,7 +317,7 @@ class Engine:
         copies = [n for n in COPY_SOURCES if s.tree and s.tree.copy and n in self.drafters and n not in s.arms]
         s.prefill_s = self.round.start(s.rows, s.sampling, s.generator,  # (a tree's copied branch: its drafters fed)
                                        len(s.rows[0]) + s.max_new_tokens + s.max_gamma + 1, s.max_gamma,
-                                       s.arms + copies, tree_tokens=s.tree.size + s.tree.copy + 1 if s.tree else 0,
+                                       s.arms + copies, tree_tokens=s.tree.verify_tokens if s.tree else 0,
                                        tree=_captured_shape(s))  # one graph a tree round (auto: its bound)
         ahead = None  # the next round, chosen (and maybe launched) before this one landed
         while s.produced < s.max_new_tokens:
@@ -388,8 +388,7 @@ class Engine:
         if captured_tree is not None:  # one graph: the fixed shape (tree auto: its bound)
             out = self.round.run_tree(s.rows, drafter, captured_tree, s.sampling, s.generator)
         elif s.tree is not None and isinstance(drafter, DraftHeadDrafter) and limit > 0 and self.round.captured is None:
-            cut = replace(s.tree, depth=min(s.tree.depth, limit), copy=min(s.tree.copy, limit))
-            shape, nodes = self.policy.tree_plan(s, arm, cut)
+            shape, nodes = self.policy.tree_plan(s, arm, s.tree.within(limit))
             out = self.round.run_tree(s.rows, drafter, shape, s.sampling, s.generator, nodes)
         else:  # a chain (on a captured round also where the stream's end would cut a tree's depth: it has no graph)
             out = self.round.run(s.rows, drafter, self.policy.gamma(s, arm, limit), s.sampling, s.generator)

@@ -70,6 +70,15 @@ class TreeSize:
         """The shape a stream takes: a copied branch joins greedy trees only."""
         return self if greedy or not self.copy else replace(self, copy=0)
 
+    def within(self, limit: int) -> "TreeSize":
+        """This shape cut to what a round may still draft (a stream's end): depth and copied branch at most `limit`."""
+        return replace(self, depth=min(self.depth, limit), copy=min(self.copy, limit))
+
+    @property
+    def verify_tokens(self) -> int:
+        """The tokens an eager tree round's verify forward takes at most: the pending one, the nodes, the copies."""
+        return self.size + self.copy + 1
+
     @property
     def nodes(self) -> int:
         """The nodes of a greedy tree of this shape: `size`, or the candidates its levels offer where fewer (the
