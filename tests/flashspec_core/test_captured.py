@@ -116,8 +116,8 @@ def test_copy_drafters_score_counterfactuals_from_their_memo_when_the_next_round
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
                                 captured="eager")
-    off_path, inner = [], CopyDrafter._draft_off_path
-    monkeypatch.setattr(CopyDrafter, "_draft_off_path", lambda self, *a: off_path.append(self.name) or inner(self, *a))
+    off_path, inner = [], CopyDrafter._off_path  # every draft off the indexed path goes through it
+    monkeypatch.setattr(CopyDrafter, "_off_path", lambda self, *a: off_path.append(self.name) or inner(self, *a))
     result = engine.generate(PROMPT * 3, 60, bandit="thompson", seed=1)
     assert len({e.drafter for e in result.events}) >= 3 and off_path == []
 
@@ -130,10 +130,10 @@ def test_copy_drafters_that_do_not_draft_next_learn_a_round_once_the_next_is_lau
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
                                 captured="eager")
-    seen, observe, off_path = [], CopyDrafter.observe, CopyDrafter._draft_off_path
+    seen, observe = [], CopyDrafter.observe
     monkeypatch.setattr(CopyDrafter, "observe", lambda self, *a, **k: seen.append(len(engine.round.unlanded))
                         or observe(self, *a, **k))
-    monkeypatch.setattr(CopyDrafter, "_draft_off_path", lambda self, *a: pytest.fail("drafted off its path"))
+    monkeypatch.setattr(CopyDrafter, "_off_path", lambda self, *a: pytest.fail("drafted off its path"))
     engine.calibrate()
     seen.clear()
     result = engine.generate(PROMPT * 3, 60, drafters=["prompt_lookup", "ngram_cache"], seed=1)
