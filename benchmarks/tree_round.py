@@ -107,7 +107,7 @@ def times_cell(s: dict) -> str:
     return cell + (f" ({s['rest_device_ms']:.2f})" if s["rest_device_ms"] is not None else "")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--prompt-set", default="open", choices=sorted(PROMPT_SETS),
@@ -124,7 +124,11 @@ def main(argv=None) -> int:
                     help="also run every tree row with eager rounds (the head's levels from the host)")
     ap.add_argument("--trees", nargs="+", default=None, metavar="D,K,S|auto[,copyN]",
                     help="the tree rows (default: " + " ".join(name_of(t) for t in TREES) + ")")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     trees = TREES if args.trees is None else tuple(parse_tree(t) for t in args.trees)
     engine = Engine.from_preset("embedded", dtype=args.dtype, precision=args.precision, captured=args.captured)
     engine.warm_up(1024)  # the measured costs that tree "auto" sizes its trees by, and the chains' graphs
@@ -141,20 +145,27 @@ def main(argv=None) -> int:
             rows.append(r)
         print(f"{p['kind']:>16} " + "  ".join(f"{n} {r['tokens_per_forward']:.2f}" for n, r in runs.items()),
               flush=True)
+    report(engine, args, rows, [name_of(c) for c in configs], len(prompts),
+           "python -m benchmarks.tree_round " + " ".join(sys.argv[1:] if argv is None else argv))
+    return 0
+
+
+def report(engine, args, rows: list[dict], names: list[str], n_prompts: int, command: str) -> None:
+    """Summarise the rows per config, write the JSON under benchmarks/results/ and print the table."""
     env = environment()
     env.update(precision=engine.precision, temperature=args.temperature, captured=args.captured)
-    summary = {name_of(c): summarise([r for r in rows if r["config"] == name_of(c)]) for c in configs}
+    summary = {name: summarise([r for r in rows if r["config"] == name]) for name in names}
     device = "cuda" if engine.target.device.type == "cuda" else "cpu"
     stem = f"tree_round_{device}_{engine.precision}" + ("_examples" if args.prompt_set == "examples" else "") + \
         (f"_t{args.temperature:g}" if args.temperature else "") + \
         (f"_{args.tag}" if args.tag else "")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(
-        {"command": "python -m benchmarks.tree_round " + " ".join(sys.argv[1:] if argv is None else argv), "env": env,
+        {"command": command, "env": env,
          "summary": summary, "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}, indent=2))
     chain = summary[f"chain {CHAINS[-1]}"]["tokens_per_forward"]
     print(f"\n{env['machine']}, precision {engine.precision}, temperature {args.temperature:g}, "
-          f"{len(prompts)} prompts ({args.prompt_set}), "
+          f"{n_prompts} prompts ({args.prompt_set}), "
           f"{args.max_new_tokens} tokens each\n")
     plain = summary["plain"]["tok_per_s"]
     print("| config | tokens per target forward | vs chain 6 | tok/s | vs plain | same ids as plain "
@@ -162,9 +173,8 @@ def main(argv=None) -> int:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, s in summary.items():
         print(f"| {name} | {s['tokens_per_forward']:.2f} | {s['tokens_per_forward'] / chain:.2f}x | "
-              f"{s['tok_per_s']:.1f} | {s['tok_per_s'] / plain:.2f}x | {s['same_as_plain']}/{len(prompts)} | "
+              f"{s['tok_per_s']:.1f} | {s['tok_per_s'] / plain:.2f}x | {s['same_as_plain']}/{n_prompts} | "
               f"{times_cell(s)} |")
-    return 0
 
 
 if __name__ == "__main__":
