@@ -9,8 +9,8 @@ test": every step unrolls the K draft passes of inference (`DraftHead.ttt_forwar
 distribution to the target's own next-token distribution (cross-entropy over the draft vocabulary, pass j
 weighted decay**j); held-out loss and acceptance are logged as training goes (the curve in `meta.json`); the
 trainable weights and their AdamW moments are saved in float32 shards of at most 15 MB (a resumed run, or one
-started `--init` from a checkpoint folder, goes on with those moments and no warm-up); (3) export: the EAGLE-3
-folder (bfloat16) with a card. `--resume --train-minutes 0` exports a checkpoint.
+started `--init` from a checkpoint folder, goes on with those moments); a run from trained weights peaks at
+TRAINED_LR; (3) export: the EAGLE-3 folder (bfloat16) with a card. `--resume --train-minutes 0` exports a checkpoint.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from flashspec_core.head_data import (Corpus, Gen, answer_all, bank_sources, bro
 ROOT = Path(__file__).resolve().parent.parent
 OPEN_PROMPTS = ROOT / "benchmarks" / "open_prompts.json"  # hand-written, never trained on
 SHARD_BYTES = 15 * 2 ** 20
+TRAINED_LR = 1e-4  # the peak lr of a run from trained weights (--init, --resume) unless --set lr= says otherwise
 SHARD_TOKENS = 7 * 2 ** 20  # corpus shards: uint16 ids (vocabularies up to 65,536 tokens), under 15 MB each
 
 
@@ -367,9 +368,7 @@ class StepProfile:
 
 def optimizer(head: DraftHead, cfg: TrainConfig, folder: Path | None = None) -> torch.optim.AdamW:
     """AdamW over the head's trainable weights; with the moments a checkpoint in `folder` saved (`opt-NN` shards),
-    if it has them, so that a run going on from a trained head needs no warm-up (one that started a fresh AdamW from
-    the shipped head lost 0.14 held-out tokens per forward in its first 45 s on an H200 and took ~4 minutes to win
-    them back)."""
+    if it has them."""
     params = dict((n, p) for n, p in head.named_parameters() if p.requires_grad)
     opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = load_shards(folder, "opt") if folder is not None else {}
@@ -381,7 +380,7 @@ def optimizer(head: DraftHead, cfg: TrainConfig, folder: Path | None = None) -> 
 
 
 def has_moments(opt: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer holds moments (a checkpoint's, or its own after a step): then no warm-up is needed."""
+    """Whether the optimizer holds moments (a checkpoint's, or its own after a step)."""
     return bool(opt.state)
 
 
@@ -393,8 +392,6 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, opt, log=pri
     rng = random.Random(cfg.seed + len(curve))
     params = [p for group in opt.param_groups for p in group["params"]]
     device = next(model.parameters()).device
-    if has_moments(opt):
-        cfg = replace(cfg, warmup_steps=1)
     budget, t0, step = cfg.train_minutes * 60, time.monotonic(), 0
     tokens = curve[-1]["tokens_seen"] if curve else 0
     base_step = curve[-1]["step"] if curve else 0
@@ -635,6 +632,8 @@ def parse_args(argv=None):
         overrides[name] = fields[name](value)
     if args.train_minutes is not None:
         overrides["train_minutes"] = args.train_minutes
+    if (args.init or args.resume) and "lr" not in overrides:  # (see benchmarks/warm_restart.py)
+        overrides["lr"] = TRAINED_LR
     return args, TrainConfig(**overrides)
 
 

@@ -27,6 +27,8 @@ RUNS = {  # benchmark module -> (its command line, {out} the results folder; a f
     "host_round": (["--streams", "1", "--max-new-tokens", "8"], "host_round_cpu.json"),
     "drafters": (["--rounds", "3"], "drafters_cpu.json"),
     "app_overhead": (["--reps", "1", "--max-new-tokens", "8"], "app_overhead.json"),
+    "warm_restart": (["--minutes", "0.05", "--max-new-tokens", "8", "--steps", "2", "--eval", "1", "--recipes",
+                      "3e-4/60/0", "1e-4/1/1", "--heldout-batches", "1"], "warm_restart_cpu.json"),
     "kernels": (["--cpu-smoke", "--sweep", "--out", "{out}/kernels_smoke.json"], "kernels_smoke.json"),
 }
 

@@ -271,6 +271,15 @@ def test_a_checkpoint_keeps_the_optimizers_moments_for_the_run_that_goes_on(tiny
     assert moments_from(argparse.Namespace(resume=False, init=None), tmp_path) is None
 
 
+def test_a_run_from_trained_weights_peaks_at_the_trained_lr_unless_lr_is_set():
+    from flashspec_core.train_head import TRAINED_LR, parse_args
+
+    assert parse_args([])[1].lr == TrainConfig().lr > TRAINED_LR
+    assert parse_args(["--init", "assets/draft_head"])[1].lr == TRAINED_LR
+    assert parse_args(["--resume"])[1].lr == TRAINED_LR
+    assert parse_args(["--init", "x", "--set", "lr=3e-4"])[1].lr == 3e-4
+
+
 def test_a_wider_head_from_init_starts_where_the_trained_one_is_and_trains_its_new_units(tiny, corpus, tmp_path):
     """--set head_intermediate wider than --init's head: the trained units keep their weights and moments, the new
     down columns start at zero (the same loss as the trained head, to rounding), and a step moves them."""
