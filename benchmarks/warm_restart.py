@@ -4,9 +4,10 @@ Every head run since the broad corpus started from the shipped head (`train_head
 learning rate, and each first lost held-out loss (0.02-0.06 in its first 45-90 s on an H200). This replays such a
 start at small scale: the shipped head, a corpus it never saw (the target's answers to the prompt bank's templates,
 made here by the engine, half greedy, half at temperature 1; one answer in 8 held out), the target's features and
-laws computed once, then each recipe over the same batches in the same order, held-out loss every --eval steps.
-A recipe is PEAK_LR/WARMUP_STEPS/FILL: FILL steps at lr 0 first (AdamW's moments from the data, no weight moves),
-then the warm-up and a cosine over --steps down to 10% (`train_head.lr_at`).
+laws computed once, then each recipe over the batches in one shuffled order, held-out loss every --eval steps.
+A recipe is PEAK_LR/WARMUP_STEPS/FILL: FILL steps at lr 0 first (AdamW's moments from the data, no weight moves;
+they take the order's first FILL batches, so that recipe's training steps start FILL batches later), then the
+warm-up and a cosine over --steps down to 10% (`train_head.lr_at`).
 
     python -m benchmarks.warm_restart [--minutes 8] [--batch-tokens 1024] [--passes 2] [--steps 60] [--eval 15]
         [--recipes 3e-4/60/0 3e-4/1/40 1e-4/60/0 3e-5/60/0] [--tag TAG]
