@@ -65,10 +65,8 @@ def target_batches(model, head, corpus: Corpus, cfg: th.TrainConfig, heldout: bo
 
 
 def loss_of(head, batch, cfg: th.TrainConfig) -> torch.Tensor:
-    ids, lengths, starts, features, probs = batch
-    rows = th.answer_rows(lengths, starts, ids.shape[1], cfg.ttt_steps, "cpu")
-    target = th.soft_targets(head, probs.float(), keep=cfg.tv_weight > 0)
-    return th.pass_loss(head, head.ttt_forward(features, ids, cfg.ttt_steps), target, rows, cfg)
+    target = th.soft_targets(head, batch[4].float(), keep=cfg.tv_weight > 0)
+    return th.head_loss(head, batch[:3], batch[3], target, cfg)
 
 
 @torch.no_grad()
@@ -81,9 +79,7 @@ def run_recipe(recipe: str, model, data: dict, cfg: th.TrainConfig, steps: int, 
     """(step, held-out loss) from the shipped head through `steps` steps of the recipe PEAK/WARMUP/FILL."""
     peak, warm, fill = recipe.split("/")
     cfg = replace(cfg, lr=float(peak), warmup_steps=int(warm))
-    head = load_head(HEAD, model.config, model.get_input_embeddings().weight).train()
-    for name, p in head.named_parameters():
-        p.requires_grad_(name != "lm_head.weight")  # trainable as in train_head (the output rows stay frozen)
+    head = load_head(HEAD, model.config, model.get_input_embeddings().weight).train()  # its output rows frozen
     opt = th.optimizer(head, cfg)
     params, train, curve = [p for g in opt.param_groups for p in g["params"]], data["train"], []
     curve.append((0, heldout_loss(head, data["held"], cfg)))
@@ -91,11 +87,7 @@ def run_recipe(recipe: str, model, data: dict, cfg: th.TrainConfig, steps: int, 
         step = k - int(fill)  # < 0: filling the moments
         for g in opt.param_groups:
             g["lr"] = 0.0 if step < 0 else th.lr_at(step, step / steps, cfg)
-        loss = loss_of(head, train[k % len(train)], cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        th.optimizer_step(loss_of(head, train[k % len(train)], cfg), opt, params)
         if step >= 0 and (step + 1) % every == 0:
             curve.append((step + 1, heldout_loss(head, data["held"], cfg)))
     return curve

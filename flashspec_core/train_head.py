@@ -247,11 +247,18 @@ def pass_loss(head: DraftHead, outs: list[torch.Tensor], target, rows: list[torc
 
 
 def step_loss(head: DraftHead, model, batch, cfg: TrainConfig) -> torch.Tensor:
-    ids, lengths, starts = batch
-    rows = answer_rows(lengths, starts, ids.shape[1], cfg.ttt_steps, ids.device)
-    features, probs, _ = target_side(model, ids, head.cfg.aux_layers, head.draft_ids)
+    """A batch's loss: the target's features and laws (`target_side`), then the head's passes (`head_loss`)."""
+    features, probs, _ = target_side(model, batch[0], head.cfg.aux_layers, head.draft_ids)
     target = soft_targets(head, probs, keep=cfg.tv_weight > 0)
     del probs
+    return head_loss(head, batch, features, target, cfg)
+
+
+def head_loss(head: DraftHead, batch, features: torch.Tensor, target, cfg: TrainConfig) -> torch.Tensor:
+    """`pass_loss` of the head's cfg.ttt_steps passes over a batch (ids, lengths, starts), given the target's features
+    and its laws as `soft_targets` gives them."""
+    ids, lengths, starts = batch
+    rows = answer_rows(lengths, starts, ids.shape[1], cfg.ttt_steps, ids.device)
     return pass_loss(head, head.ttt_forward(features, ids, cfg.ttt_steps), target, rows, cfg)
 
 
@@ -332,11 +339,16 @@ def lr_at(step: int, fraction: float, cfg: TrainConfig) -> float:
 def train_step(head: DraftHead, model, batch, cfg: TrainConfig, opt, params) -> torch.Tensor:
     with autocast(cfg, next(model.parameters()).device):
         loss = step_loss(head, model, batch, cfg)
+    optimizer_step(loss, opt, params)
+    return loss.detach()  # read when the curve is logged, not every step (a read waits for the device)
+
+
+def optimizer_step(loss: torch.Tensor, opt, params) -> None:
+    """Backward, the gradients clipped to norm 1, one step of `opt`."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
-    return loss.detach()  # read when the curve is logged, not every step (a read waits for the device)
 
 
 class StepProfile:
