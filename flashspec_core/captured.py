@@ -24,13 +24,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from flashspec_core.drafters import DraftHeadDrafter, Proposal
+from flashspec_core.drafters import DraftHeadDrafter, Proposal, TreeProposal
 from flashspec_core.fast_path import MAX_GRAPH_TOKENS
 from flashspec_core.sampling import SamplingConfig, draft_sampling, logits_to_probs_at, sampling_params
+from flashspec_core.tree import TensorTree
 from kernels import verify, verify_tree
+from kernels.tree_level import copy_graft_triton
 
 
 PIECE = 32  # the longest piece of a prompt the head takes in one graph
+LONGEST_RUN = 4  # the longest run of last ids that the copied branch's lookup matches (`copied`)
 
 
 def prompt_pieces(T: int, max_tokens: int = MAX_GRAPH_TOKENS) -> list[int]:
@@ -239,7 +242,7 @@ class CapturedRound:
         pending id; the next round overwrites what lies past its own pending id."""
         self.history.index_copy_(1, self.length + 1 + self.steps[:emitted.shape[1]], emitted)
 
-    def copied(self, C: int, longest: int = 4) -> torch.Tensor:
+    def copied(self, C: int, longest: int = LONGEST_RUN) -> torch.Tensor:
         """Prompt lookup on the device, for a tree's copied branch: per row, the C ids after the latest earlier
         occurrence of the longest (2..longest) run of its last ids (the pending one last), -1 where there is none
         or past the pending id. [B, C] int64."""
@@ -258,6 +261,17 @@ class CapturedRound:
         ids = hist.gather(1, src.clamp_max(hist.shape[1] - 1))
         return torch.where((best[:, None] >= 0) & (src <= end), ids, -1)
 
+    def grafted(self, proposal: TreeProposal, C: int) -> TreeProposal:
+        """The head's greedy tree with the C ids of `copied` as one more branch (`TreeProposal.graft_at`): in one
+        kernel where the tree's views came from one (`kernels.tree_level.copy_graft_triton`), else in torch ops."""
+        tree = proposal.tree
+        if tree.views is None:
+            return proposal.graft_at(self.copied(C))
+        r = copy_graft_triton(self.history, self.length, tree.parents, proposal.tokens, proposal.score, C,
+                              tree.max_depth, tree.width, LONGEST_RUN)
+        return TreeProposal(TensorTree(r.parents, tree.max_depth + C, tree.width + 1, views=r), r.tokens, None,
+                            r.scores)
+
     def _store(self, aux: torch.Tensor, emitted: torch.Tensor, K: int) -> None:
         """A deferred round's K + 1 verified slots into the head's backlog after those waiting: their features (aux
         [B, K+1, F]) and the ids emitted after them (emitted [B, K+1]); those past the accepted count are overwritten
@@ -275,7 +289,7 @@ class CapturedRound:
         proposal = self.head.propose_tree_at(shape.tree, self.length, shape.S) if greedy else \
             self.head.propose_sampled_tree_at(shape.tree, self.length, shape.S, self.head_params, self.generator)
         if greedy and shape.tree.copy:  # prompt lookup's chain as one more branch
-            proposal = proposal.graft_at(self.copied(shape.tree.copy))
+            proposal = self.grafted(proposal, shape.tree.copy)
         tree, guess = proposal.tree, [self.head.fixed.guess] if shape.observe else []
         fed = torch.cat([self.pending, proposal.tokens.clamp_min(0)], dim=1)  # (a -1 node is never accepted)
         logits, aux = self.target.forward_tree_at(fed, tree, self.length, shape.S)

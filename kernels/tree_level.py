@@ -28,6 +28,13 @@ After the last level, the tree: the `size` best of all levels' candidates by row
 with its parents, tokens, scores, and the views a captured round reads (ancestors, depths, child table, path
 table), in one kernel where torch takes ~40 (its reference: `flashspec_core.drafters._best_nodes` and
 `flashspec_core.tree.TensorTree`'s views, which this module does not import: kernels sit below the engine).
+
+    copy_graft_triton(history [B, P], length [1], parents [N], tokens [B, N], scores [B, N], C, depth, width)
+        -> Ranked of N + C nodes
+
+A copied branch on the greedy tree (`TreeSize.copy`): prompt lookup over each row's emitted ids, the chain hung
+below the node where row 0's copy leaves the tree, and the grown tree's views, in one kernel where torch takes
+~100 (`CapturedRound.copied`, `TreeProposal.graft_at`, `TensorTree`'s views).
 """
 from __future__ import annotations
 
@@ -249,24 +256,10 @@ class Ranked(NamedTuple):
 
 if triton is not None:
     @triton.jit
-    def _rank_kernel(score_ptr, parent_ptr, token_ptr, node_parent_ptr, token_out_ptr, score_out_ptr, anc_ptr,
-                     depth_ptr, child_ptr, path_ptr, M, B: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
-                     W: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr, WP: tl.constexpr):
-        """One program. A candidate's node is its rank by row 0's score (higher first, ties: the lower id); a kept
-        one's parent node is its parent candidate's rank. Then the slots' ancestors and depths, paths and
-        children (a node's rank among its siblings), each phase reading what the one before stored."""
-        m = tl.arange(0, MP)
-        s = tl.load(score_ptr + m, mask=m < M, other=float("-inf"))
-        beats = (s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (m[None, :] < m[:, None]))
-        rank = tl.sum((beats & (m[None, :] < M)).to(tl.int32), axis=1)
-        kept = (m < M) & (rank < N)
-        up = tl.load(parent_ptr + m, mask=m < M, other=-1)
-        up_rank = tl.sum(tl.where(m[None, :] == up[:, None], rank[None, :], 0), axis=1)
-        tl.store(node_parent_ptr + rank, tl.where(up >= 0, up_rank, -1).to(tl.int64), mask=kept)
-        for b in tl.static_range(B):
-            tl.store(token_out_ptr + b * N + rank, tl.load(token_ptr + b * M + m, mask=m < M), mask=kept)
-            tl.store(score_out_ptr + b * N + rank, tl.load(score_ptr + b * M + m, mask=m < M), mask=kept)
-        tl.debug_barrier()
+    def _tree_views(node_parent_ptr, anc_ptr, depth_ptr, child_ptr, path_ptr, N: tl.constexpr, D: tl.constexpr,
+                    W: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr, WP: tl.constexpr):
+        """A tree's views from its node parents (stored before the call): the slots' ancestors and depths, paths
+        and children (a node's rank among its siblings), each phase reading what the one before stored."""
         slot = tl.arange(0, NP)
         live = slot <= N
         anc, depth = slot.to(tl.int64), tl.zeros([NP], tl.int64)
@@ -291,6 +284,26 @@ if triton is not None:
                  tl.where(above >= 0, path, j[None, :]).to(tl.int32), mask=inside)
         tl.store(child_ptr + (p + 1) * W + sibling, node.to(tl.int64), mask=(node < N) & (sibling < W))
 
+    @triton.jit
+    def _rank_kernel(score_ptr, parent_ptr, token_ptr, node_parent_ptr, token_out_ptr, score_out_ptr, anc_ptr,
+                     depth_ptr, child_ptr, path_ptr, M, B: tl.constexpr, N: tl.constexpr, D: tl.constexpr,
+                     W: tl.constexpr, MP: tl.constexpr, NP: tl.constexpr, DP: tl.constexpr, WP: tl.constexpr):
+        """One program. A candidate's node is its rank by row 0's score (higher first, ties: the lower id); a kept
+        one's parent node is its parent candidate's rank. Then the tree's views (`_tree_views`)."""
+        m = tl.arange(0, MP)
+        s = tl.load(score_ptr + m, mask=m < M, other=float("-inf"))
+        beats = (s[None, :] > s[:, None]) | ((s[None, :] == s[:, None]) & (m[None, :] < m[:, None]))
+        rank = tl.sum((beats & (m[None, :] < M)).to(tl.int32), axis=1)
+        kept = (m < M) & (rank < N)
+        up = tl.load(parent_ptr + m, mask=m < M, other=-1)
+        up_rank = tl.sum(tl.where(m[None, :] == up[:, None], rank[None, :], 0), axis=1)
+        tl.store(node_parent_ptr + rank, tl.where(up >= 0, up_rank, -1).to(tl.int64), mask=kept)
+        for b in tl.static_range(B):
+            tl.store(token_out_ptr + b * N + rank, tl.load(token_ptr + b * M + m, mask=m < M), mask=kept)
+            tl.store(score_out_ptr + b * N + rank, tl.load(score_ptr + b * M + m, mask=m < M), mask=kept)
+        tl.debug_barrier()
+        _tree_views(node_parent_ptr, anc_ptr, depth_ptr, child_ptr, path_ptr, N, D, W, NP, DP, WP)
+
 
 def rank_tree_triton(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, size: int, depth: int,
                      width: int) -> Ranked:
@@ -310,4 +323,97 @@ def rank_tree_triton(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.
                        out.scores, out.ancestors, out.depth, out.child_table, out.path_table, M, B=B, N=N, D=D,
                        W=width, MP=triton.next_power_of_2(M), NP=triton.next_power_of_2(N + 1),
                        DP=triton.next_power_of_2(D + 1), WP=triton.next_power_of_2(width), num_warps=8)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# A copied branch: prompt lookup over the emitted ids, grafted below the tree, and the grown tree's views
+
+
+if triton is not None:
+    @triton.jit
+    def _lookup(hist_ptr, end, P, b, chain_ptr, C: tl.constexpr, LONGEST: tl.constexpr, CP: tl.constexpr,
+                BLOCK: tl.constexpr):
+        """Row b's copied chain into chain_ptr[b]: the C ids after the latest earlier occurrence of the longest
+        (2..LONGEST) run of its last ids (the pending one, at `end`, last); -1 where there is none or past `end`.
+        The scan reads positions below `end` only."""
+        row = hist_ptr + b * P
+        best, start = tl.full([], -1, tl.int64), end * 0
+        while start < end:  # (a loop bound read from memory: a while, which the interpreter runs too)
+            pos = start + tl.arange(0, BLOCK).to(tl.int64)
+            run, score = pos < end, tl.full([BLOCK], -1, tl.int64)
+            for g in tl.static_range(LONGEST):  # the g + 1 ids ending at pos equal the g + 1 ending at `end`
+                last = tl.load(row + tl.maximum(end - g, 0))
+                run = run & (tl.load(row + tl.maximum(pos - g, 0), mask=pos < end, other=-2) == last) & (pos >= g)
+                if g > 0:
+                    score = tl.where(run, g * P + pos, score)  # longer runs first, then the latest
+            best = tl.maximum(best, tl.max(score))
+            start += BLOCK
+        c = tl.arange(0, CP)
+        src = best % P + 1 + c
+        ids = tl.load(row + tl.minimum(src, P - 1), mask=c < C, other=-1)
+        tl.store(chain_ptr + b * C + c, tl.where((best >= 0) & (src <= end), ids, -1), mask=c < C)
+
+    @triton.jit
+    def _graft_kernel(hist_ptr, length_ptr, parent_ptr, token_ptr, score_ptr, chain_ptr, node_parent_ptr,
+                      token_out_ptr, score_out_ptr, anc_ptr, depth_ptr, child_ptr, path_ptr, P, B: tl.constexpr,
+                      N: tl.constexpr, C: tl.constexpr, LONGEST: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                      NP: tl.constexpr, CP: tl.constexpr, DP: tl.constexpr, WP: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """One program: every row's copied chain (`_lookup`); the node `at` where row 0's chain leaves the tree
+        (m of its ids held from the root); the grown tree's parents (the N nodes', at, then a chain below it),
+        tokens (the chain's ids from m on, then -1) and scores (at's, the root's 0); then its views. N, D, W are
+        the grown tree's; the input tree has N - C nodes."""
+        end = tl.load(length_ptr)
+        for b in tl.static_range(B):
+            _lookup(hist_ptr, end, P, b, chain_ptr, C, LONGEST, CP, BLOCK)
+        tl.debug_barrier()
+        n, c = tl.arange(0, NP), tl.arange(0, CP)
+        old = n < N - C
+        up = tl.load(parent_ptr + n, mask=old, other=-3)
+        first = tl.load(token_ptr + n, mask=old, other=-3)
+        at, m = tl.full([], -1, tl.int64), tl.full([], 0, tl.int64)
+        for j in tl.static_range(C):  # at's child carrying the chain's id j, while the tree holds them all
+            hit = old & (up == at) & (first == tl.load(chain_ptr + j)) & (m == j)
+            held = tl.max(hit.to(tl.int32)) > 0
+            at = tl.where(held, tl.min(tl.where(hit, n, NP)).to(tl.int64), at)
+            m += held.to(tl.int64)
+        new = tl.where(c == 0, at, N - C + c - 1)
+        tl.store(node_parent_ptr + n, up, mask=old)
+        tl.store(node_parent_ptr + N - C + c, new, mask=c < C)
+        take = m + c
+        for b in tl.static_range(B):
+            tl.store(token_out_ptr + b * N + n, tl.load(token_ptr + b * (N - C) + n, mask=old), mask=old)
+            tl.store(score_out_ptr + b * N + n, tl.load(score_ptr + b * (N - C) + n, mask=old), mask=old)
+            ids = tl.load(chain_ptr + b * C + tl.minimum(take, C - 1), mask=c < C, other=-1)
+            tl.store(token_out_ptr + b * N + N - C + c, tl.where(take < C, ids, -1), mask=c < C)
+            above = tl.load(score_ptr + b * (N - C) + tl.maximum(at, 0))
+            tl.store(score_out_ptr + b * N + N - C + c, tl.where(at >= 0, above, 0.0) + tl.zeros([CP], tl.float32),
+                     mask=c < C)
+        tl.debug_barrier()
+        _tree_views(node_parent_ptr, anc_ptr, depth_ptr, child_ptr, path_ptr, N, D, W, NP, DP, WP)
+
+
+def copy_graft_triton(history: torch.Tensor, length: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor,
+                      scores: torch.Tensor, C: int, depth: int, width: int, longest: int = 4) -> Ranked:
+    """A greedy tree (parents [N], tokens [B, N], scores [B, N] float32; depth and child bounds) grown by prompt
+    lookup's chain as one more branch, in one kernel: each row's C ids after the latest earlier occurrence of the
+    longest (2..longest) run of its last ids in history [B, P] (the emitted ids; the pending one at length [1]),
+    hung below the node where row 0's chain leaves the tree, the ids the tree held as -1s; always C new nodes,
+    scoring as the node they hang from. The grown tree and its views for bounds depth + C and width + 1: what
+    `CapturedRound.copied`, `TreeProposal.graft_at` and `TensorTree`'s views give in ~100 torch kernels."""
+    (B, N), P, dev = tokens.shape, history.shape[1], tokens.device
+    G, D, W = N + C, depth + C, width + 1
+    out = Ranked(torch.empty(G, dtype=torch.int64, device=dev), torch.empty(B, G, dtype=tokens.dtype, device=dev),
+                 torch.empty(B, G, dtype=scores.dtype, device=dev),
+                 torch.empty(G + 1, D + 1, dtype=torch.int64, device=dev),
+                 torch.empty(G + 1, dtype=torch.int64, device=dev),
+                 torch.empty(G + 1, W, dtype=torch.int64, device=dev),
+                 torch.empty(G + 1, D + 1, dtype=torch.int32, device=dev))
+    chain = torch.empty(B, C, dtype=torch.int64, device=dev)
+    _graft_kernel[(1,)](history, length, parents.contiguous(), tokens.contiguous(), scores.contiguous(), chain,
+                        out.parents, out.tokens, out.scores, out.ancestors, out.depth, out.child_table,
+                        out.path_table, P, B=B, N=G, C=C, LONGEST=longest, D=D, W=W,
+                        NP=triton.next_power_of_2(G + 1), CP=triton.next_power_of_2(C),
+                        DP=triton.next_power_of_2(D + 1), WP=triton.next_power_of_2(W), BLOCK=1024, num_warps=8)
     return out

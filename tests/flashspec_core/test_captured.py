@@ -8,6 +8,7 @@ import torch
 from flashspec_core import Engine, SamplingConfig
 from flashspec_core.sampling import logits_to_probs, logits_to_probs_at, sampling_params
 from flashspec_core.tree_round import TreeSize
+from kernels.tree_level import copy_graft_triton
 from tests.conftest import tiny_llama
 from tests.flashspec_core.test_distribution import PROMPT as LAW_PROMPT
 from tests.flashspec_core.test_distribution import CRITICAL, N, V, chi2, exact_laws, first_two_tokens
@@ -47,11 +48,18 @@ def test_greedy_captured_equals_plain(tiny, drafters):
         assert result.token_ids == plain, gamma
 
 
-@pytest.mark.parametrize("drafters", [["draft_head"], None], ids=["head", "bandit"])
-def test_greedy_captured_trees_with_a_copied_branch_equal_plain(tiny, drafters):
+@pytest.mark.parametrize("drafters,levels", [(["draft_head"], "torch"), (None, "torch"), (["draft_head"], "triton")],
+                         ids=["head", "bandit", "head_kernels"])
+def test_greedy_captured_trees_with_a_copied_branch_equal_plain(tiny, drafters, levels, monkeypatch):
     """Captured tree rounds (launched ahead where they can be) whose copied branch comes from the device's own
     lookup over the ids it emitted: plain decoding's tokens, and rounds whose tree holds a copy; at temperature 1
-    the branch is dropped (it joins greedy trees only)."""
+    the branch is dropped (it joins greedy trees only). levels "triton": the tree's levels, ranking and copied
+    branch by the kernels (interpreted here), the branch in one kernel."""
+    import flashspec_core.captured as captured
+
+    monkeypatch.setenv("FLASHSPEC_TREE_LEVEL", levels)
+    grafts = []
+    monkeypatch.setattr(captured, "copy_graft_triton", lambda *a: grafts.append(1) or copy_graft_triton(*a))
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
     plain = engine.generate(PROMPT, 48, mode="plain").token_ids
@@ -60,6 +68,7 @@ def test_greedy_captured_trees_with_a_copied_branch_equal_plain(tiny, drafters):
     assert result.token_ids == plain
     trees = [e.tree_nodes for e in result.events if e.tree_nodes]
     assert trees and max(trees) > tree.nodes and engine.round.launched_ahead > 0
+    assert bool(grafts) == (levels == "triton")
     sampled = engine.generate(PROMPT, 24, sampling=T1, drafters=drafters, tree=tree)
     assert all(e.tree_nodes <= tree.sampled.N for e in sampled.events)
     with pytest.raises(ValueError, match="at most 32 drafted tokens"):
@@ -373,15 +382,17 @@ def test_graphs_replay_every_round_and_keep_greedy_exact(tiny, dtype):
 @cuda
 def test_greedy_tree_graphs_replay_every_round_and_keep_greedy_exact(tiny):
     """Greedy fixed-size trees on a GPU: each tree round one graph (captured when the stream starts, a chain where
-    the stream's end cuts the depth) and the tokens plain decoding's."""
+    the stream's end cuts the depth) and the tokens plain decoding's; with a copied branch too (its lookup and
+    graft in one kernel inside the graph: trees over the head's 8 nodes)."""
     from flashspec_core.tree_round import TreeSize
 
     engine = cuda_engine(tiny, torch.float32)
     plain = engine.generate(PROMPT, 48, mode="plain").token_ids
-    for drafters in (["draft_head"], None):
-        result = engine.generate(PROMPT, 48, drafters=drafters, tree=TreeSize(4, 2, 8))
-        assert result.token_ids == plain, drafters
+    for drafters, copy in ((["draft_head"], 0), (None, 0), (["draft_head"], 8)):
+        result = engine.generate(PROMPT, 48, drafters=drafters, tree=TreeSize(4, 2, 8, copy=copy))
+        assert result.token_ids == plain, (drafters, copy)
         assert any(e.drafted_tree is not None for e in result.events)
+        assert any(e.tree_nodes > 8 for e in result.events) == bool(copy)
     c = engine.round.captured
     assert c is not None and c.use_graphs and any(s.tree for s in c.graphs) and c.eager_rounds == 0
 

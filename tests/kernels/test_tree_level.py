@@ -122,3 +122,55 @@ def test_the_rank_kernel_gives_the_best_nodes_and_the_tensor_trees_views(device,
     assert torch.equal(got.child_table, want.child_table()) and torch.equal(got.path_table, want.path_table())
     tree = TensorTree(got.parents, depth, width, views=got)
     assert torch.equal(tree.position_ids(torch.tensor([5], device=device)), want.position_ids(5))
+
+
+def copy_case(B: int, P: int, end: int, N: int, seed: int):
+    """Emitted ids [B, P] from a small vocabulary (runs repeat) up to the pending one at `end`, -1 past it, and a
+    random greedy tree of N nodes whose row 0 follows the copy lookup's continuation for a few levels (odd seeds)."""
+    from flashspec_core.captured import CapturedRound
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    history = torch.full((B, P), -1, dtype=torch.int64)
+    history[:, :end + 1] = torch.randint(0, 6, (B, end + 1), generator=g)
+    length = torch.tensor([end])
+    parents = [-1] + [int(torch.randint(-1, n, (1,), generator=g)) for n in range(1, N)]
+    tokens = torch.randint(0, 6, (B, N), generator=g)
+    chain = CapturedRound.copied(SimpleNamespace(history=history, length=length, steps=torch.arange(P)), 4)
+    if seed % 2:  # a path from the root carrying the chain's first ids
+        at = -1
+        for j in range(min(3, N)):
+            kids = [n for n in range(N) if parents[n] == at]
+            if not kids or chain[0, j] < 0:
+                break
+            at = kids[-1]
+            tokens[0, at] = chain[0, j]
+    scores = torch.rand(B, N, generator=g).log()
+    return history, length, torch.tensor(parents), tokens, scores
+
+
+@pytest.mark.parametrize("B,P,end,N,C,depth,width,seed", [(1, 40, 30, 10, 8, 6, 2, 1), (1, 40, 30, 10, 8, 6, 2, 2),
+                                                          (2, 3000, 2500, 24, 8, 6, 4, 3), (1, 64, 1, 6, 4, 4, 3, 5),
+                                                          (3, 50, 45, 32, 4, 6, 4, 7), (1, 50, 0, 8, 8, 5, 4, 9)])
+def test_the_copied_branch_kernel_gives_the_captured_rounds_lookup_graft_and_views(device, B, P, end, N, C,
+                                                                                   depth, width, seed):
+    """One kernel for a copied branch: `CapturedRound.copied`'s chain grafted by `TreeProposal.graft_at`, the same
+    parents, tokens and scores, and `TensorTree`'s views of the grown tree (no copy found, a chain the tree holds in
+    part, a history over one block of the scan, a pending id at position 0 or 1, several rows)."""
+    from types import SimpleNamespace
+
+    from flashspec_core.captured import CapturedRound
+    from flashspec_core.drafters import TreeProposal
+    from flashspec_core.tree import TensorTree
+    from kernels.tree_level import copy_graft_triton
+
+    history, length, parents, tokens, scores = copy_case(B, P, end, N, seed)
+    chain = CapturedRound.copied(SimpleNamespace(history=history, length=length, steps=torch.arange(P)), C)
+    want = TreeProposal(TensorTree(parents, depth, width), tokens, None, scores).graft_at(chain)
+    got = copy_graft_triton(*(x.to(device) for x in (history, length, parents, tokens, scores)), C, depth, width)
+    tree = want.tree
+    assert torch.equal(got.parents.cpu(), tree.parents), (got.parents, tree.parents)
+    assert torch.equal(got.tokens.cpu(), want.tokens) and torch.equal(got.scores.cpu(), want.score)
+    assert torch.equal(got.ancestors.cpu(), tree.ancestors()) and torch.equal(got.depth.cpu(), tree.slot_depth())
+    assert torch.equal(got.child_table.cpu(), tree.child_table()) and torch.equal(got.path_table.cpu(),
+                                                                                    tree.path_table())
