@@ -380,7 +380,7 @@ def test_graphs_replay_every_round_and_keep_greedy_exact(tiny, dtype):
 
 
 @cuda
-def test_greedy_tree_graphs_replay_every_round_and_keep_greedy_exact(tiny):
+def test_greedy_tree_graphs_replay_every_round_and_keep_greedy_exact_a_copied_branch_too(tiny):
     """Greedy fixed-size trees on a GPU: each tree round one graph (captured when the stream starts, a chain where
     the stream's end cuts the depth) and the tokens plain decoding's; with a copied branch too (its lookup and
     graft in one kernel inside the graph: trees over the head's 8 nodes)."""
