@@ -41,9 +41,11 @@ CHAIN = "chain"
 # What the draft head drafts each round it is pulled: a chain of K, or a tree it verifies in one target forward
 # (TreeSize(depth, top_k, size): levels, children per expanded node, nodes kept; "tree auto" verifies the best
 # first n of 32 nodes, n chosen each round from the measured costs, except where greedy rounds are captured as
-# CUDA graphs: there it verifies all 32, one graph a round). Other drafters draft chains.
+# CUDA graphs: there it verifies all 32, one graph a round). "tree + copy": the 24 best nodes and prompt lookup's
+# continuation of up to 8 tokens as one more branch (greedy only: a sampled stream drops the branch); it pays on
+# text that repeats its context (a summary, a rename), not on open text. Other drafters draft chains.
 DRAFT_SHAPES = {CHAIN: None, "tree 8": TreeSize(4, 2, 8), "tree 16": TreeSize(6, 4, 16), "tree 32": TreeSize(6, 4, 32),
-                "tree auto": TreeSize(6, 4, 32, auto=True)}
+                "tree auto": TreeSize(6, 4, 32, auto=True), "tree + copy": TreeSize(6, 4, 24, copy=8)}
 
 
 def role_of(entry: str) -> str:
@@ -101,7 +103,9 @@ class RunSettings:
         tree = self.tree
         if tree is None:
             return self.shape
-        return f"{self.shape} (depth {tree.depth}, top-k {tree.top_k}{f', up to {tree.size} nodes' if tree.auto else ''})"
+        size = f", up to {tree.size} nodes" if tree.auto else f", {tree.size} nodes" if tree.copy else ""
+        copy = f", a copied branch of up to {tree.copy}" if tree.copy else ""
+        return f"{self.shape} (depth {tree.depth}, top-k {tree.top_k}{size}{copy})"
 
     def record(self) -> dict:
         """The settings as flat columns of the runs table."""

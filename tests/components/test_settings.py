@@ -148,7 +148,8 @@ def test_draft_shape_chain_or_a_tree_for_the_draft_head():
 
 
 @pytest.mark.parametrize("shape, message", [
-    ("tree 9", "unknown draft shape 'tree 9'; expected one of \\['chain', 'tree 8', 'tree 16', 'tree 32', 'tree auto'\\]"),
+    ("tree 9", "unknown draft shape 'tree 9'; expected one of "
+               "\\['chain', 'tree 8', 'tree 16', 'tree 32', 'tree auto', 'tree \\+ copy'\\]"),
     (None, "unknown draft shape None"), (16, "unknown draft shape 16"), (["tree 8"], "unknown draft shape"),
     ("x" * 10_000, "unknown draft shape 'xxx"),
 ])
