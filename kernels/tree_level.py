@@ -305,6 +305,18 @@ if triton is not None:
         _tree_views(node_parent_ptr, anc_ptr, depth_ptr, child_ptr, path_ptr, N, D, W, NP, DP, WP)
 
 
+def empty_ranked(B: int, N: int, D: int, W: int, tokens: torch.Tensor, scores: torch.Tensor) -> Ranked:
+    """A `Ranked`'s buffers for B rows of an N-node tree with depth bound D and child bound W (tokens and scores
+    give the dtypes and the device)."""
+    dev, slots = tokens.device, N + 1
+    return Ranked(torch.empty(N, dtype=torch.int64, device=dev), torch.empty(B, N, dtype=tokens.dtype, device=dev),
+                  torch.empty(B, N, dtype=scores.dtype, device=dev),
+                  torch.empty(slots, D + 1, dtype=torch.int64, device=dev),
+                  torch.empty(slots, dtype=torch.int64, device=dev),
+                  torch.empty(slots, W, dtype=torch.int64, device=dev),
+                  torch.empty(slots, D + 1, dtype=torch.int32, device=dev))
+
+
 def rank_tree_triton(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor, size: int, depth: int,
                      width: int) -> Ranked:
     """The `size` best candidates by row 0's scores [B, M] (candidate parents [M], -1 the root; tokens [B, M]) as a
@@ -312,13 +324,8 @@ def rank_tree_triton(scores: torch.Tensor, parents: torch.Tensor, tokens: torch.
     `flashspec_core.drafters._best_nodes` and `TensorTree`'s views give, in one kernel. A child must never score
     above its parent (a parent ties first: it is the earlier candidate), as a tree level's scores never do."""
     B, M = scores.shape
-    N, D, dev = min(size, M), depth, scores.device
-    out = Ranked(torch.empty(N, dtype=torch.int64, device=dev), torch.empty(B, N, dtype=tokens.dtype, device=dev),
-                 torch.empty(B, N, dtype=scores.dtype, device=dev),
-                 torch.empty(N + 1, D + 1, dtype=torch.int64, device=dev),
-                 torch.empty(N + 1, dtype=torch.int64, device=dev),
-                 torch.empty(N + 1, width, dtype=torch.int64, device=dev),
-                 torch.empty(N + 1, D + 1, dtype=torch.int32, device=dev))
+    N, D = min(size, M), depth
+    out = empty_ranked(B, N, D, width, tokens, scores)
     _rank_kernel[(1,)](scores.contiguous(), parents.contiguous(), tokens.contiguous(), out.parents, out.tokens,
                        out.scores, out.ancestors, out.depth, out.child_table, out.path_table, M, B=B, N=N, D=D,
                        W=width, MP=triton.next_power_of_2(M), NP=triton.next_power_of_2(N + 1),
@@ -402,15 +409,10 @@ def copy_graft_triton(history: torch.Tensor, length: torch.Tensor, parents: torc
     hung below the node where row 0's chain leaves the tree, the ids the tree held as -1s; always C new nodes,
     scoring as the node they hang from. The grown tree and its views for bounds depth + C and width + 1: what
     `CapturedRound.copied`, `TreeProposal.graft_at` and `TensorTree`'s views give in ~100 torch kernels."""
-    (B, N), P, dev = tokens.shape, history.shape[1], tokens.device
+    (B, N), P = tokens.shape, history.shape[1]
     G, D, W = N + C, depth + C, width + 1
-    out = Ranked(torch.empty(G, dtype=torch.int64, device=dev), torch.empty(B, G, dtype=tokens.dtype, device=dev),
-                 torch.empty(B, G, dtype=scores.dtype, device=dev),
-                 torch.empty(G + 1, D + 1, dtype=torch.int64, device=dev),
-                 torch.empty(G + 1, dtype=torch.int64, device=dev),
-                 torch.empty(G + 1, W, dtype=torch.int64, device=dev),
-                 torch.empty(G + 1, D + 1, dtype=torch.int32, device=dev))
-    chain = torch.empty(B, C, dtype=torch.int64, device=dev)
+    out = empty_ranked(B, G, D, W, tokens, scores)
+    chain = torch.empty(B, C, dtype=torch.int64, device=tokens.device)
     _graft_kernel[(1,)](history, length, parents.contiguous(), tokens.contiguous(), scores.contiguous(), chain,
                         out.parents, out.tokens, out.scores, out.ancestors, out.depth, out.child_table,
                         out.path_table, P, B=B, N=G, C=C, LONGEST=longest, D=D, W=W,
