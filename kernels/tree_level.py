@@ -29,7 +29,8 @@ with its parents, tokens, scores, and the views a captured round reads (ancestor
 table), in one kernel where torch takes ~40 (its reference: `flashspec_core.drafters._best_nodes` and
 `flashspec_core.tree.TensorTree`'s views, which this module does not import: kernels sit below the engine).
 
-    copy_graft_triton(history [B, P], length [1], parents [N], tokens [B, N], scores [B, N], C, depth, width)
+    copy_graft_triton(history [B, P], length [1], parents [N], tokens [B, N], scores [B, N], C, depth, width,
+                      longest)
         -> Ranked of N + C nodes
 
 A copied branch on the greedy tree (`TreeSize.copy`): prompt lookup over each row's emitted ids, the chain hung
@@ -402,7 +403,7 @@ if triton is not None:
 
 
 def copy_graft_triton(history: torch.Tensor, length: torch.Tensor, parents: torch.Tensor, tokens: torch.Tensor,
-                      scores: torch.Tensor, C: int, depth: int, width: int, longest: int = 4) -> Ranked:
+                      scores: torch.Tensor, C: int, depth: int, width: int, longest: int) -> Ranked:
     """A greedy tree (parents [N], tokens [B, N], scores [B, N] float32; depth and child bounds) grown by prompt
     lookup's chain as one more branch, in one kernel: each row's C ids after the latest earlier occurrence of the
     longest (2..longest) run of its last ids in history [B, P] (the emitted ids; the pending one at length [1]),

@@ -159,7 +159,7 @@ def test_the_copied_branch_kernel_gives_the_captured_rounds_lookup_graft_and_vie
     part, a history over one block of the scan, a pending id at position 0 or 1, several rows)."""
     from types import SimpleNamespace
 
-    from flashspec_core.captured import CapturedRound
+    from flashspec_core.captured import LONGEST_RUN, CapturedRound
     from flashspec_core.drafters import TreeProposal
     from flashspec_core.tree import TensorTree
     from kernels.tree_level import copy_graft_triton
@@ -167,7 +167,8 @@ def test_the_copied_branch_kernel_gives_the_captured_rounds_lookup_graft_and_vie
     history, length, parents, tokens, scores = copy_case(B, P, end, N, seed)
     chain = CapturedRound.copied(SimpleNamespace(history=history, length=length, steps=torch.arange(P)), C)
     want = TreeProposal(TensorTree(parents, depth, width), tokens, None, scores).graft_at(chain)
-    got = copy_graft_triton(*(x.to(device) for x in (history, length, parents, tokens, scores)), C, depth, width)
+    got = copy_graft_triton(*(x.to(device) for x in (history, length, parents, tokens, scores)), C, depth, width,
+                            LONGEST_RUN)
     tree = want.tree
     assert torch.equal(got.parents.cpu(), tree.parents), (got.parents, tree.parents)
     assert torch.equal(got.tokens.cpu(), want.tokens) and torch.equal(got.scores.cpu(), want.score)
