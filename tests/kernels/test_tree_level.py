@@ -124,19 +124,26 @@ def test_the_rank_kernel_gives_the_best_nodes_and_the_tensor_trees_views(device,
     assert torch.equal(tree.position_ids(torch.tensor([5], device=device)), want.position_ids(5))
 
 
+def device_lookup(history: torch.Tensor, length: torch.Tensor, C: int) -> torch.Tensor:
+    """`CapturedRound.copied` (the torch reference) over these emitted ids, without a round around them."""
+    from types import SimpleNamespace
+
+    from flashspec_core.captured import CapturedRound
+
+    steps = torch.arange(history.shape[1])
+    return CapturedRound.copied(SimpleNamespace(history=history, length=length, steps=steps), C)
+
+
 def copy_case(B: int, P: int, end: int, N: int, seed: int):
     """Emitted ids [B, P] from a small vocabulary (runs repeat) up to the pending one at `end`, -1 past it, and a
     random greedy tree of N nodes whose row 0 follows the copy lookup's continuation for a few levels (odd seeds)."""
-    from flashspec_core.captured import CapturedRound
-    from types import SimpleNamespace
-
     g = torch.Generator().manual_seed(seed)
     history = torch.full((B, P), -1, dtype=torch.int64)
     history[:, :end + 1] = torch.randint(0, 6, (B, end + 1), generator=g)
     length = torch.tensor([end])
     parents = [-1] + [int(torch.randint(-1, n, (1,), generator=g)) for n in range(1, N)]
     tokens = torch.randint(0, 6, (B, N), generator=g)
-    chain = CapturedRound.copied(SimpleNamespace(history=history, length=length, steps=torch.arange(P)), 4)
+    chain = device_lookup(history, length, 4)
     if seed % 2:  # a path from the root carrying the chain's first ids
         at = -1
         for j in range(min(3, N)):
@@ -156,17 +163,15 @@ def test_the_copied_branch_kernel_gives_the_captured_rounds_lookup_graft_and_vie
                                                                                    depth, width, seed):
     """One kernel for a copied branch: `CapturedRound.copied`'s chain grafted by `TreeProposal.graft_at`, the same
     parents, tokens and scores, and `TensorTree`'s views of the grown tree (no copy found, a chain the tree holds in
-    part, a history over one block of the scan, a pending id at position 0 or 1, several rows)."""
-    from types import SimpleNamespace
-
-    from flashspec_core.captured import LONGEST_RUN, CapturedRound
+    part or whole, a history over three blocks of the scan, a pending id at position 0 or 1, several rows)."""
+    from flashspec_core.captured import LONGEST_RUN
     from flashspec_core.drafters import TreeProposal
     from flashspec_core.tree import TensorTree
     from kernels.tree_level import copy_graft_triton
 
     history, length, parents, tokens, scores = copy_case(B, P, end, N, seed)
-    chain = CapturedRound.copied(SimpleNamespace(history=history, length=length, steps=torch.arange(P)), C)
-    want = TreeProposal(TensorTree(parents, depth, width), tokens, None, scores).graft_at(chain)
+    want = TreeProposal(TensorTree(parents, depth, width), tokens, None, scores).graft_at(
+        device_lookup(history, length, C))
     got = copy_graft_triton(*(x.to(device) for x in (history, length, parents, tokens, scores)), C, depth, width,
                             LONGEST_RUN)
     tree = want.tree
