@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import csv
+import gc
 import hashlib
 import io
 import json
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("FLASHSPEC_RESULTS") or ROOT / "benchmarks" / "results")  # where every benchmark writes
 GREEDY = SamplingConfig(temperature=0.0)
 GROUNDED = {"code edit", "rename", "summary", "document QA", "long repetitive answer"}
+LONG = 3.0  # a round this many times its arm's median is listed in its row (`long_rounds`)
 
 
 def shown_path(path: Path) -> Path:
@@ -85,7 +87,8 @@ def run_engine(engine: Engine, prompt: str, max_new: int, seed: int, sampling: S
                **kwargs) -> dict:
     """One cold run (drafter memories reset) and its figures; draft cost per drafted token, median verify time."""
     engine.reset_session()  # no n-gram memory of an earlier row's answer
-    result = engine.generate(prompt, max_new_tokens=max_new, sampling=sampling, seed=seed, **kwargs)
+    with GcPauses() as pauses:
+        result = engine.generate(prompt, max_new_tokens=max_new, sampling=sampling, seed=seed, **kwargs)
     s = result.stats
     drafted = [e for e in result.events if e.gamma]
     draft_ms = 1e3 * sum(e.draft_s for e in drafted) / sum(e.gamma for e in drafted) if drafted else None
@@ -94,7 +97,32 @@ def run_engine(engine: Engine, prompt: str, max_new: int, seed: int, sampling: S
             "target_forwards": s["target_forwards"], "draft_ms_per_token": draft_ms,
             "verify_ms": 1e3 * median(e.verify_s for e in result.events), "pulls": s["pulls"],
             "prefill_ms": 1e3 * s["prefill_s"],  # the stream's start (prefill, drafters' start), inside "seconds"
-            **round_times(result.events), "ids": result.token_ids}
+            **round_times(result.events), "gc": pauses.summary(), "ids": result.token_ids}
+
+
+class GcPauses:
+    """The cyclic garbage collector's passes while a row runs (`gc.callbacks`), so that a long round can be told
+    apart from one: how many per generation, their milliseconds in all and the longest."""
+
+    def __enter__(self) -> "GcPauses":
+        self.passes, self.began = [], None  # passes: (generation, seconds)
+        gc.callbacks.append(self._seen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._seen)
+
+    def _seen(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.began = time.perf_counter()
+        elif self.began is not None:
+            self.passes.append((info["generation"], time.perf_counter() - self.began))
+            self.began = None
+
+    def summary(self) -> dict:
+        seconds = [t for _, t in self.passes]
+        return {"passes": [sum(g == n for g, _ in self.passes) for n in range(3)],
+                "ms": 1e3 * sum(seconds), "max_ms": 1e3 * max(seconds, default=0.0)}
 
 
 def stored(row: dict) -> dict:
@@ -120,6 +148,29 @@ def round_times(events) -> dict:
     out["round_ms_by_arm"] = {arm: {"rounds": len(w), "median": 1e3 * median(w), "max": 1e3 * max(w)}
                               for arm, w in by_arm.items()}
     out["round_max_over_median"] = max((max(w) / median(w) for w in by_arm.values()), default=None)  # worst arm
+    out["long_rounds"] = long_rounds(events, walls, {arm: median(w) for arm, w in by_arm.items()})
+    return out
+
+
+def long_note(row: dict) -> str:
+    """A row's long rounds for the console: each one's wall (and device) ms, and the collector's longest pass."""
+    if not row.get("long_rounds"):
+        return ""
+    device = lambda x: "" if x["device_ms"] is None else f" (device {x['device_ms']:.1f})"  # noqa: E731
+    each = ", ".join(f"#{x['index']} {x['wall_ms']:.1f}{device(x)}" for x in row["long_rounds"])
+    return f"  long rounds (ms): {each}; longest gc pass {row['gc']['max_ms']:.1f} ms"
+
+
+def long_rounds(events, walls: list[float], medians: dict) -> list[dict]:
+    """Rounds after the first that took over LONG times their arm's median wall time: which round, its arm and
+    draft, its wall time and (CUDA) the device's time, so that a stall on the device shows apart from one on the
+    host."""
+    out = []
+    for e, wall in zip(events[1:], walls[1:]):
+        if wall > LONG * medians[e.drafter]:
+            out.append({"index": e.index, "arm": e.drafter, "gamma": e.gamma, "tree_nodes": e.tree_nodes,
+                        "wall_ms": 1e3 * wall, "median_ms": 1e3 * medians[e.drafter],
+                        "device_ms": None if e.device_s is None else 1e3 * e.device_s})
     return out
 
 
@@ -275,7 +326,8 @@ def run_rows(engine: Engine, float32, prompts: list[dict], peers: dict, args) ->
             host = "" if r.get("host_ms_per_round") is None else f"  host {r['host_ms_per_round']:.2f} ms/round"
             rounds = "" if r.get("round_ms_median") is None else \
                 f"  rounds {r['round_ms_median']:.2f} ms median, {r['round_ms_max_after_first']:.2f} max after the first"
-            print(f"{p['kind']:>24} {name:>22} {r['tok_per_s']:7.1f} tok/s  x{r['speedup']:.2f}{rounds}{host}", flush=True)
+            print(f"{p['kind']:>24} {name:>22} {r['tok_per_s']:7.1f} tok/s  x{r['speedup']:.2f}{rounds}{host}"
+                  f"{long_note(r)}", flush=True)
     return rows
 
 

@@ -60,3 +60,22 @@ def test_the_cpu_benchmarks_run_and_write_their_results(tmp_path):
     for name, (_, written) in RUNS.items():
         assert json.loads((tmp_path / written).read_text()), f"{name} wrote no {written}"
     assert results_files() == before, "a benchmark wrote into the repository's results"
+
+
+def test_a_long_round_is_listed_with_its_device_time_and_gc_passes_are_counted():
+    import gc
+    from types import SimpleNamespace
+
+    from benchmarks.run import GcPauses, long_note, round_times
+
+    ends = [0.010, 0.012, 0.014, 0.016, 0.026, 0.028, 0.030]  # round 3 takes 10 ms, the others 2 ms
+    events = [SimpleNamespace(index=i, drafter="draft_head", gamma=4, tree_nodes=0, device_s=0.0015, elapsed_s=t,
+                              prefill_s=0.008) for i, t in enumerate(ends)]
+    row = round_times(events)
+    assert [(x["index"], round(x["wall_ms"], 3), x["device_ms"]) for x in row["long_rounds"]] == [(4, 10.0, 1.5)]
+    with GcPauses() as pauses:
+        gc.collect()
+    row["gc"] = pauses.summary()
+    assert row["gc"]["passes"][2] >= 1 and row["gc"]["max_ms"] > 0
+    assert long_note(row).startswith("  long rounds (ms): #4 10.0 (device 1.5)")
+    assert round_times(events[:4])["long_rounds"] == []  # even rounds: none listed
