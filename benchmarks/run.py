@@ -102,7 +102,7 @@ def run_engine(engine: Engine, prompt: str, max_new: int, seed: int, sampling: S
 
 class GcPauses:
     """The cyclic garbage collector's passes while a row runs (`gc.callbacks`), so that a long round can be told
-    apart from one: how many per generation, their milliseconds in all and the longest."""
+    apart from a collector's pause: how many passes per generation, their milliseconds in all and the longest."""
 
     def __enter__(self) -> "GcPauses":
         self.passes, self.began = [], None  # passes: (generation, seconds)
