@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flashspec_core.fast_path import head_size, linear
-from flashspec_core.gguf_weights import Int8Weight, Q8_0Weight, int8_rows, q8_0_rows
+from flashspec_core.gguf_weights import Int8Weight, Q4_1Weight, Q8_0Weight, int8_rows, q4_1_rows, q8_0_rows
 from kernels import layer_ops
 
 CONFIG_FILE, WEIGHTS_FILE, CARD_FILE = "config.json", "model.safetensors", "card.json"
@@ -127,7 +127,8 @@ class DraftHead(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.embed = embed.detach()  # the target's (shared storage); not a parameter, not in the state dict
         self.columns = False  # inference on the CPU: "columns" products for a few tokens (see fast_path.linear)
-        self.packed: dict[str, Int8Weight | Q8_0Weight] = {}  # inference only: products through packed weights (`pack`)
+        # inference only: products through packed weights (`pack`)
+        self.packed: dict[str, Int8Weight | Q4_1Weight | Q8_0Weight] = {}
         self.native_layer: list[torch.Tensor] | None = None  # the native layer's weights, where `pack` set it up
         self._rope = torch.empty(2, 0, cfg.head_dim)  # the native layer's cos and signed sin by position (grown on use)
         self.layer_ops = "auto"  # a captured step's small ops: "torch", "triton" (kernels.layer_ops) or "auto" (`_kernels`)
@@ -159,18 +160,21 @@ class DraftHead(nn.Module):
     # -- the layer, in pieces shared by both forwards -----------------------------------------------
     def pack(self, native: bool) -> None:
         """Run every product (the output layer included) through packed weights, for inference on the CPU: Q8_0
-        blocks for the native kernel (`csrc/q4_1.cpp`; float32 or bfloat16 activations) where native, else int8
-        with one scale per row (torch's `_weight_int8pack_mm`, bfloat16 only, about half as fast). q, k and v are one product, gate and up
-        another. A drafter need not be exact: verification keeps the output exact. Training ignores it;
-        `set_draft_vocab` drops it. Native packing of a float32 head on the CPU also runs the whole layer as one
-        native op (`_native_step`)."""
+        blocks for the native kernel (`csrc/q4_1.cpp`; float32 or bfloat16 activations) where native, with the
+        output layer's rows as Q4_1 blocks (20 bytes a block, not 34: that product only streams its weights), else
+        int8 with one scale per row (torch's `_weight_int8pack_mm`, bfloat16 only, about half as fast). q, k and v
+        are one product, gate and up another. A drafter need not be exact: verification keeps the output exact. Training
+        ignores it; `set_draft_vocab` drops it. Native packing of a float32 head on the CPU also runs the whole
+        layer as one native op (`_native_step`)."""
         if not native and next(self.parameters()).dtype != torch.bfloat16:
             raise ValueError("int8 rows take bfloat16 activations: load the head in torch.bfloat16")
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
         make = q8_0_rows if native else int8_rows
         self.packed = {name: make(torch.cat([m.weight.detach() for m in layers])) for name, layers in
                        {"fc": [self.fc], "qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
-                        "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj], "lm_head": [self.lm_head]}.items()}
+                        "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}.items()}
+        out = self.lm_head.weight.detach()
+        self.packed["lm_head"] = q4_1_rows(out) if native and out.shape[0] % 16 == 0 else make(out)
         self.native_layer = self._native_weights() if native else None
 
     def unpack(self) -> None:

@@ -91,17 +91,24 @@ class Q4_1Weight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (float32 or bfloat16) @ W.T -> float32 [..., N]; each output row depends on its own input row."""
         out = torch.ops.flashspec.q4_1_linear(x.reshape(-1, self.shape[1]), self.packed, self.dm)
-        return out.view(*x.shape[:-1], self.shape[0])
+        return out[:, :self.shape[0]].view(*x.shape[:-1], self.shape[0])
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights [N, K] = d * q + m, unpacked."""
         G, B, _ = self.packed.shape
         nibbles = self.packed.view(G, B, 4, 16, 4)
         q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)  # [G, B, quad, row, 4]
-        q = q.permute(0, 3, 1, 2, 4).reshape(self.shape).float()
+        q = q.permute(0, 3, 1, 2, 4).reshape(G * 16, -1).float()
         dm = self.dm.float().permute(1, 2, 0, 3).reshape(B, 2, -1)  # [B, 2, N]
         d, m = (dm[:, i].t().repeat_interleave(GROUP, dim=1) for i in (0, 1))  # [N, K] each
-        return q * d + m
+        return (q * d + m)[:self.shape[0]]
+
+    def first(self, n: int | None) -> "Q4_1Weight":
+        """The first n output rows (all for None): whole groups of 16, the extra outputs dropped."""
+        if n is None or n >= self.shape[0]:
+            return self
+        groups = -(-n // 16)
+        return Q4_1Weight(self.packed[:groups], self.dm[:groups], (n, self.shape[1]))
 
 
 @dataclass(frozen=True)
@@ -191,6 +198,21 @@ def q8_0_rows(weight: torch.Tensor) -> Q8_0Weight:
     d = (blocks.abs().amax(dim=-1) / 127).half().float()
     q = (blocks / d.clamp_min(1e-12)[..., None]).round().clamp(-127, 127).to(torch.int8).view(N, K)
     return q8_0_weight(q, d)
+
+
+def q4_1_rows(weight: torch.Tensor) -> Q4_1Weight:
+    """A float weight [N, K] (N a multiple of 16) rounded to Q4_1 blocks (per block of 32: m = min w and d = (max w -
+    min w) / 15 as float16, q = (w - m) / d in 0..15) for the native kernel: 20 bytes a block against
+    `q8_0_rows`' 34, for a product that only streams its weights (the draft head's output layer). d and m are
+    rounded first, so q is chosen for the scales the kernel uses."""
+    N, K = weight.shape
+    if K % GROUP:
+        raise ValueError(f"Q4_1 needs in_features a multiple of {GROUP}, got {K}")
+    blocks = weight.detach().float().view(N, K // GROUP, GROUP)
+    m = blocks.amin(dim=-1).half().float()
+    d = ((blocks.amax(dim=-1) - m) / 15).half().float()
+    q = ((blocks - m[..., None]) / d.clamp_min(1e-12)[..., None]).round().clamp(0, 15).view(N, K)
+    return q4_1_weight(q, d, m)
 
 
 def q8_0_blocks(raw: np.ndarray, K: int) -> tuple[torch.Tensor, torch.Tensor]:

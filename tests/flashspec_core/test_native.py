@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from flashspec_core import native
-from flashspec_core.gguf_weights import GGUFFile, q4_1_blocks, q4_1_weight, q8_0_blocks, q8_0_rows, q8_0_weight
+from flashspec_core.gguf_weights import (GGUFFile, q4_1_blocks, q4_1_rows, q4_1_weight, q8_0_blocks, q8_0_rows,
+                                        q8_0_weight)
 from flashspec_core.models import embedded_gguf_path, embedded_package_present
 
 pytestmark = pytest.mark.skipif(not native.load(), reason=f"native kernels unavailable: {native.why_not()}")
@@ -107,6 +108,23 @@ def test_q8_0_rows_round_a_float_weight_within_half_a_step_and_first_keeps_rows(
     assert torch.equal(packed.first(20)(x), packed(x)[:, :20]) and packed.first(None) is packed
     with pytest.raises(ValueError, match="multiple of 32"):
         q8_0_rows(torch.zeros(16, 40))
+
+
+def test_q4_1_rows_round_a_float_weight_within_half_a_step_and_first_keeps_rows():
+    """The draft head's output layer (`DraftHead.pack`): each block of 32 within half its float16 step d of the
+    weights (m the block's minimum, d its range over 15); the first n rows give the full product's first n
+    outputs, bit for bit."""
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(6))
+    packed = q4_1_rows(w)
+    blocks = w.view(48, 3, 32)
+    m = blocks.amin(-1).half().float()
+    step = ((blocks.amax(-1) - m) / 15).half().float()
+    assert ((packed.dequantize().view(48, 3, 32) - blocks).abs().amax(-1) <= step / 2 + 1e-3 * step).all()
+    x = torch.randn(2, 96)
+    assert torch.equal(packed.first(20)(x), packed(x)[:, :20]) and packed.first(None) is packed
+    assert packed.first(20).dequantize().shape == (20, 96)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q4_1_rows(torch.zeros(16, 40))
 
 
 def test_errors_name_the_bad_value():
