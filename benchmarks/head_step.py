@@ -5,7 +5,8 @@
 One draft step is what each drafted token after the first costs: the head's layer over one token at `context`
 verified slots, then its logits over the restricted draft vocabulary and their argmax. It is timed for each way the
 head's products can run: float weights (bfloat16), torch's int8 rows (bfloat16 activations) and the native
-kernel's Q8_0 blocks (float32 activations, the engine's choice beside the 4-bit target where the kernel loads),
+kernel's Q8_0 blocks with the output layer's rows in Q4_1 (float32 activations, the engine's choice beside the
+4-bit target where the kernel loads),
 taking turns `--repeats` times; each cell is the median of the repeats' means over `--reps` steps. The target's
 one-token forward is timed the same way in the same process. `--intermediate` times the shipped head widened to
 that many MLP units (what a wider head would cost before one is trained). Writes JSON under benchmarks/results/
@@ -31,7 +32,7 @@ def head_variants(head) -> dict:
     """name -> (head, activation dtype): copies of the shipped head with each kind of product."""
     out = {}
     for name, dtype, packing in (("bfloat16 weights", torch.bfloat16, None), ("int8 rows", torch.bfloat16, False),
-                                 ("Q8_0 blocks (native)", torch.float32, True)):
+                                 ("Q8_0 + Q4_1 output (native)", torch.float32, True)):
         if packing and not native.load():
             continue
         h = copy.deepcopy(head)
