@@ -282,7 +282,8 @@ class Engine:
         stream of up to `max_context` tokens can choose (greedy and sampling, every K of gamma "auto", every
         context bucket; with tree_tokens, the target's tree verifies of 2..tree_tokens slots too, for eager trees;
         with trees, `TreeSize`s, the captured tree rounds of each one's fixed shape, greedy and sampled), so that
-        streams capture nothing; returns the seconds it took."""
+        streams capture nothing; then settles the heap (what the captures left alive, out of the collector's full
+        passes, which otherwise stall a stream's round now and then); returns the seconds it took."""
         t0 = time.perf_counter()
         self.calibrate()
         for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
@@ -291,6 +292,7 @@ class Engine:
             self.round.warm_up(sampling, max_context, trees=list(dict.fromkeys(fixed)))
         if tree_tokens:
             self.round.warm_up_trees(max_context, tree_tokens)
+        settle_heap()
         return time.perf_counter() - t0
 
     def reset_session(self) -> None:
@@ -444,9 +446,10 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def settle_heap() -> None:
-    """Move what a load left alive (the libraries' and models' ~10^6 Python objects) out of the cyclic garbage
-    collector's sight: its full passes over them cost a decode step 8-10% on a 2-core CPU. Unfrozen first, so what
-    an earlier load left for garbage (an evicted engine) is collected now rather than kept for good."""
+    """Move what a load or a warm-up left alive (the libraries' and models' ~10^6 Python objects, the captured
+    graphs') out of the cyclic garbage collector's sight: its full passes over them cost a decode step 8-10% on a
+    2-core CPU, and a round 4-5 ms now and then on a GPU's host. Unfrozen first, so what an earlier load left for
+    garbage (an evicted engine) is collected now rather than kept for good."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
