@@ -191,8 +191,8 @@ class DraftHead(nn.Module):
             return None
         norms = [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm]
         w = [n.weight.detach().contiguous() for n in norms]
-        return [w[0], w[1], p["qkv"].packed, p["qkv"].d, p["o"].packed, p["o"].d, w[2], p["gate_up"].packed,
-                p["gate_up"].d, p["down"].packed, p["down"].d]
+        return [w[0], w[1], p["qkv"].packed, p["qkv"].scales, p["o"].packed, p["o"].scales, w[2], p["gate_up"].packed,
+                p["gate_up"].scales, p["down"].packed, p["down"].scales]
 
     def _product(self, name: str, x: torch.Tensor, *layers: nn.Linear):
         """x through `layers` (one input, outputs apart): the packed product `name` where packed, in x's dtype."""

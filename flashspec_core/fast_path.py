@@ -352,8 +352,9 @@ class StaticCausalLM:
         """f(x, cos, sin, pos, mask, S, shape, aux_layers) -> (x, aux list) running every layer (see `_layers`), or
         None for the Python loop. Scripting happens once, here."""
         if self.loop == "native":
-            weights = [t for l in self.layers for t in (l.input_norm, l.qkv.weight.packed, l.qkv.weight.dm, l.o.packed,
-                       l.o.dm, l.post_norm, l.gate_up.weight.packed, l.gate_up.weight.dm, l.down.packed, l.down.dm)]
+            weights = [t for l in self.layers for t in (l.input_norm, l.qkv.weight.packed, l.qkv.weight.scales,
+                                                        l.o.packed, l.o.scales, l.post_norm, l.gate_up.weight.packed,
+                                                        l.gate_up.weight.scales, l.down.packed, l.down.scales)]
             op = torch.ops.flashspec.gguf_layers
             ordered = self.attention == "ordered"
 

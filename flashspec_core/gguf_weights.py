@@ -13,7 +13,7 @@ Rows of q and k are put back in Hugging Face's order (GGUF files permute them fo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -79,19 +79,33 @@ def int8_rows(weight: torch.Tensor, dtype=torch.bfloat16) -> Int8Weight:
     return Int8Weight(values.contiguous(), scales)
 
 
+class _RowGroups:
+    """What the native kernels' two formats share: [N, K] weights stored 16 output rows a group (N padded up to
+    whole groups), `packed` then one scale tensor, multiplied by `torch.ops.flashspec.<OP>`."""
+    OP = ""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] (float32 or bfloat16) @ W.T -> float32 [..., N]; each output row depends on its own input row."""
+        out = getattr(torch.ops.flashspec, self.OP)(x.reshape(-1, self.shape[1]), self.packed, self.scales)
+        return out[:, :self.shape[0]].view(*x.shape[:-1], self.shape[0])
+
+    def first(self, n: int | None):
+        """The first n output rows (all for None): whole groups of 16, the extra outputs dropped."""
+        if n is None or n >= self.shape[0]:
+            return self
+        groups = -(-n // 16)
+        return replace(self, packed=self.packed[:groups], scales=self.scales[:groups], shape=(n, self.shape[1]))
+
+
 @dataclass(frozen=True)
-class Q4_1Weight:
+class Q4_1Weight(_RowGroups):
     """A [N, K] Q4_1 matrix packed for the native kernel (`csrc/q4_1.cpp`, `torch.ops.flashspec.q4_1_linear`): the
     file's own blocks (weight = d * q + m, d and m float16, no rounding), 16 output rows at a time; activations
     are quantised per block of 32 to int8 (llama.cpp's Q8_1) and each block's product is an exact integer sum."""
     packed: torch.Tensor  # uint8 [N / 16, K / 32, 256]
-    dm: torch.Tensor  # float16 [N / 16, K / 32, 2, 16]: d and m of each block of 16 rows
+    scales: torch.Tensor  # float16 [N / 16, K / 32, 2, 16]: d and m of each block of 16 rows
     shape: tuple[int, int]  # (N, K)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] (float32 or bfloat16) @ W.T -> float32 [..., N]; each output row depends on its own input row."""
-        out = torch.ops.flashspec.q4_1_linear(x.reshape(-1, self.shape[1]), self.packed, self.dm)
-        return out[:, :self.shape[0]].view(*x.shape[:-1], self.shape[0])
+    OP = "q4_1_linear"
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights [N, K] = d * q + m, unpacked."""
@@ -99,44 +113,26 @@ class Q4_1Weight:
         nibbles = self.packed.view(G, B, 4, 16, 4)
         q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2)  # [G, B, quad, row, 4]
         q = q.permute(0, 3, 1, 2, 4).reshape(G * 16, -1).float()
-        dm = self.dm.float().permute(1, 2, 0, 3).reshape(B, 2, -1)  # [B, 2, N]
+        dm = self.scales.float().permute(1, 2, 0, 3).reshape(B, 2, -1)  # [B, 2, N]
         d, m = (dm[:, i].t().repeat_interleave(GROUP, dim=1) for i in (0, 1))  # [N, K] each
         return (q * d + m)[:self.shape[0]]
 
-    def first(self, n: int | None) -> "Q4_1Weight":
-        """The first n output rows (all for None): whole groups of 16, the extra outputs dropped."""
-        if n is None or n >= self.shape[0]:
-            return self
-        groups = -(-n // 16)
-        return Q4_1Weight(self.packed[:groups], self.dm[:groups], (n, self.shape[1]))
-
 
 @dataclass(frozen=True)
-class Q8_0Weight:
+class Q8_0Weight(_RowGroups):
     """A [N, K] Q8_0 matrix (weight = d * q, q int8, d float16 per block of 32) packed for the native kernel
     (`torch.ops.flashspec.q8_0_linear`): the file's own blocks, times activations quantised per block of 32."""
     packed: torch.Tensor  # uint8 [N / 16, K / 32, 512]: q + 128
-    d: torch.Tensor  # float16 [N / 16, K / 32, 16]
+    scales: torch.Tensor  # float16 [N / 16, K / 32, 16]: d of each block of 16 rows
     shape: tuple[int, int]  # (N, K)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] (float32 or bfloat16) @ W.T -> float32 [..., N]; each output row depends on its own input row."""
-        out = torch.ops.flashspec.q8_0_linear(x.reshape(-1, self.shape[1]), self.packed, self.d)
-        return out[:, :self.shape[0]].view(*x.shape[:-1], self.shape[0])
+    OP = "q8_0_linear"
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weights [N, K] = d * q, unpacked."""
         G, B, _ = self.packed.shape
         q = (self.packed.view(G, B, 8, 16, 4).to(torch.int32) - 128).permute(0, 3, 1, 2, 4).reshape(G * 16, -1)
-        d = self.d.float().permute(0, 2, 1).reshape(-1, B).repeat_interleave(GROUP, dim=1)  # [N padded, K]
+        d = self.scales.float().permute(0, 2, 1).reshape(-1, B).repeat_interleave(GROUP, dim=1)  # [N padded, K]
         return (q.float() * d)[:self.shape[0]]
-
-    def first(self, n: int | None) -> "Q8_0Weight":
-        """The first n output rows (all for None): whole groups of 16, the extra outputs dropped."""
-        if n is None or n >= self.shape[0]:
-            return self
-        groups = -(-n // 16)
-        return Q8_0Weight(self.packed[:groups], self.d[:groups], (n, self.shape[1]))
 
 
 PACKED = (Int4Weight, Int8Weight, Q4_1Weight, Q8_0Weight)  # weights that multiply through their own kernel

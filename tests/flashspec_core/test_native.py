@@ -64,7 +64,7 @@ def test_each_row_on_its_own_and_vnni_equals_portable(T):
     batch = w(x)
     rows = torch.cat([w(x[i:i + 1]) for i in range(T)])
     assert torch.equal(batch, rows)
-    portable = torch.ops.flashspec.q4_1_linear_portable(x, w.packed, w.dm)
+    portable = torch.ops.flashspec.q4_1_linear_portable(x, w.packed, w.scales)
     assert torch.equal(batch, portable), f"max difference {(batch - portable).abs().max().item()}"
 
 
@@ -78,7 +78,7 @@ def test_q8_0_head_holds_the_file_weights_and_computes_each_row_on_its_own():
     batch = head(x)
     assert torch.equal(batch, torch.cat([head(x[i:i + 1]) for i in range(13)]))
     assert torch.equal(batch[:6], head(x[:6]))  # a tile of six tokens against the 13-token tile's first six
-    assert torch.equal(batch, torch.ops.flashspec.q8_0_linear_portable(x, head.packed, head.d))
+    assert torch.equal(batch, torch.ops.flashspec.q8_0_linear_portable(x, head.packed, head.scales))
     expected = quantised_activations(x).double() @ weights.double().t()
     assert (batch.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 
@@ -132,4 +132,4 @@ def test_errors_name_the_bad_value():
         q4_1_weight(torch.zeros(20, 64, dtype=torch.uint8), torch.ones(20, 2), torch.zeros(20, 2))
     w = q4_1_weight(*random_q4_1(16, 64, seed=1))
     with pytest.raises(RuntimeError, match="K = 32"):
-        torch.ops.flashspec.q4_1_linear(torch.randn(2, 32), w.packed, w.dm)
+        torch.ops.flashspec.q4_1_linear(torch.randn(2, 32), w.packed, w.scales)
