@@ -47,6 +47,9 @@
 # the limit with the head's model.safetensors set aside outside the checkout for the call (their tests use tiny
 # heads). Simplest: keep it aside for the whole session, a copy in .carry/head/, and start each p3 call with
 #   cp .carry/head/model.safetensors assets/draft_head/ && ...   (carry [".carry/p3", ".carry/head"])
+# benchmarks/results/ (~22 MB of JSON by now) pushes such a p3 call over 64 MiB: move the folder out of the
+# checkout for the session's device calls (`mv benchmarks/results /tmp/results_aside && mkdir benchmarks/results`;
+# the benchmarks write their files there again), then move it back and untar the calls' results into it.
 # The two-part phases (a, b, stash, train) take .carry/a/gguf.part1 and .carry/b/gguf.part2: they date from a tree
 # under ~15 MB and no longer fit beside today's.
 # Logs and JSON go to $OUT (the files also land in benchmarks/results/ of the working copy there).
