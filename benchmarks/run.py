@@ -145,10 +145,11 @@ def round_times(events) -> dict:
     by_arm = {}  # after the stream's first round: a bandit row's arms cost differently, so each against its own
     for e, wall in zip(events[1:], walls[1:]):
         by_arm.setdefault(e.drafter, []).append(wall)
-    out["round_ms_by_arm"] = {arm: {"rounds": len(w), "median": 1e3 * median(w), "max": 1e3 * max(w)}
+    medians = {arm: median(w) for arm, w in by_arm.items()}
+    out["round_ms_by_arm"] = {arm: {"rounds": len(w), "median": 1e3 * medians[arm], "max": 1e3 * max(w)}
                               for arm, w in by_arm.items()}
-    out["round_max_over_median"] = max((max(w) / median(w) for w in by_arm.values()), default=None)  # worst arm
-    out["long_rounds"] = long_rounds(events, walls, {arm: median(w) for arm, w in by_arm.items()})
+    out["round_max_over_median"] = max((max(w) / medians[arm] for arm, w in by_arm.items()), default=None)  # worst
+    out["long_rounds"] = long_rounds(events, walls, medians)
     return out
 
 
