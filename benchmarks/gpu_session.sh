@@ -22,6 +22,7 @@
 #   r2:      stash part 2 (.carry/p2), the verify kernel's tests on CUDA
 #   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s;
 #            leading NAME=value words set that run's environment); every run's JSON and CSV come back in r3_results.tgz
+#            (HEAD_CKPT=.carry/ckNN: export that checkpoint as assets/draft_head first)
 #   t3:      assemble with part 3 (.carry/p3); the tests in T3_TESTS (if set), benchmarks.tree_exact (the forwards' and
 #            greedy trees' bits against plain decoding), then benchmarks.tree_round (TREE_ARGS): chains against trees,
 #            then (T3_PROFILE set: its arguments) benchmarks.round_profile: each config's kernels a round
@@ -167,6 +168,10 @@ r2)  # stash GGUF part 2 (.carry/p2), and the verify kernel's tests on CUDA
   [ -z "${R2_BENCH:-}" ] || timeout 200 python3 -m benchmarks.kernels --out "$OUT/kernels_r2.json" 2>&1 | tail -25 ;;
 r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RUN_ARGS: one run per line)
   assemble3
+  # HEAD_CKPT=.carry/ckNN (a training checkpoint's head shards + meta.json, no AdamW moments): export it as the
+  # shipped head first; a head with a wide draft vocabulary is too large to carry as its model.safetensors
+  [ -n "${HEAD_CKPT:-}" ] && python3 -m flashspec_core.train_head --ckpt "$HEAD_CKPT" --resume --train-minutes 0 \
+    --out assets/draft_head 2>&1 | grep -v -i "loading weights\|de-quantizing" | tail -2
   touch /tmp/r3.start  # only this call's results go back (the 8 files a call returns)
   while IFS= read -r args; do
     [ -z "$args" ] && continue

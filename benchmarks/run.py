@@ -257,11 +257,15 @@ def parse_args(argv=None):
     ap.add_argument("--head-catch-up", type=int, default=None,
                     help="verified slots that wait before the draft head's first pass (1: every round, inside a "
                     "captured round; default: the head's own, CATCH_UP)")
+    ap.add_argument("--head-vocab", type=int, default=None, help="the draft head drafts from this many of its most "
+                    "frequent ids (0: all of them; default: the shipped choice for the device, ShippedHead)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="the engine rows' sampling temperature (0: greedy); the Hugging Face rows stay greedy")
     args = ap.parse_args(argv)
     if args.head_catch_up is not None and args.head_catch_up < 1:
         ap.error(f"--head-catch-up must be at least 1, got {args.head_catch_up}")
+    if args.head_vocab is not None and args.head_vocab < 0:
+        ap.error(f"--head-vocab must be 0 (all) or more, got {args.head_vocab}")
     args.sampling = SamplingConfig(temperature=args.temperature)
     args.gamma = args.gamma if args.gamma == "auto" else int(args.gamma)
     args.tree = parse_tree(args.tree)
@@ -340,7 +344,10 @@ def main(argv=None) -> int:
     heads = [d for d in engine.drafters.values() if isinstance(d, DraftHeadDrafter)]
     for d in heads if args.head_catch_up else ():  # before the warm-up: it sets which graphs other arms' rounds take
         d.catch_up_slots = args.head_catch_up
+    for d in heads if args.head_vocab is not None else ():
+        d.set_vocab_limit(args.head_vocab or None)
     args.catch_up = heads[0].catch_up_slots if heads else None
+    args.head_vocab = int(heads[0].ids.numel()) if heads else None
     args.warm_up_s = engine.warm_up(args.warm_up_context, trees=[args.tree] if args.tree else ())
     print(f"engine warm-up (costs and every graph a run can choose): {args.warm_up_s:.1f} s", flush=True)
     float32 = Engine.from_preset(args.preset, device=args.device, dtype=args.dtype, precision="float32",
@@ -406,7 +413,7 @@ def write_results(engine: Engine, rows: list[dict], peers: dict, args, argv) -> 
     env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine),
                precision=engine.precision, peers={k: v["version"] for k, v in peers.items()}, repeats=args.repeats,
                rounds=args.rounds, temperature=args.temperature, captured=args.captured, launch_ahead=args.launch_ahead, warm_up_s=args.warm_up_s,
-               head_catch_up=args.catch_up,
+               head_catch_up=args.catch_up, head_vocab=args.head_vocab,
                eager_rounds=getattr(engine.round.captured, "eager_rounds", None), calibration=calibration(engine))
     payload = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
                "seed": args.seed, "gamma": args.gamma, "env": env, "rows": [stored(r) for r in rows]}

@@ -554,10 +554,8 @@ class DraftHeadDrafter(Drafter):
         if not isinstance(catch_up, int) or catch_up < 1:
             raise ValueError(f"catch_up must be a positive int, got {catch_up!r}")
         super().__init__(head.d2t.device)
-        ids = head.draft_ids[:vocab_limit]
-        if int(ids.max()) >= vocab_size:
-            raise ValueError(f"the draft head names target ids up to {int(ids.max())}; the vocabulary has {vocab_size}")
-        self.head, self.vocab_size, self.ids, self.limit = head, vocab_size, ids, vocab_limit
+        self.head, self.vocab_size = head, vocab_size
+        self.set_vocab_limit(vocab_limit)
         head.columns = self.device.type == "cpu"  # matrix products for its few rows there (fast_path.linear)
         self.aux_layers = head.cfg.aux_layers
         self.dtype = next(head.parameters()).dtype
@@ -571,6 +569,19 @@ class DraftHeadDrafter(Drafter):
         self.waiting: list[torch.Tensor] = []  # features [B, n, F] of verified slots not yet through the first pass
         self.sets_length = self.device.type == "cpu"
         self.costs: CostModel | None = None  # the target's measured forward costs, handed over by the policy
+
+    def set_vocab_limit(self, vocab_limit: int | None) -> None:
+        """Draft from the first `vocab_limit` (most frequent) ids of the head's vocabulary; None = all of them.
+        Before the first round (a captured round's buffers are sized by it)."""
+        if getattr(self, "fixed", None) is not None:
+            raise RuntimeError("set the draft vocabulary before the head's first captured round")
+        if vocab_limit is not None and not 0 < vocab_limit:
+            raise ValueError(f"vocab_limit must be positive, got {vocab_limit}")
+        ids = self.head.draft_ids[:vocab_limit]
+        if int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"the draft head names target ids up to {int(ids.max())}; "
+                             f"the vocabulary has {self.vocab_size}")
+        self.ids, self.limit = ids, vocab_limit
 
     def bind(self, batch: int, capacity: int) -> "_Fixed":
         """Fixed buffers for a captured round (`flashspec_core.captured`): a cache of `capacity` slots that never

@@ -127,6 +127,32 @@ def test_head_samples_only_its_draft_vocabulary(target):
     torch.testing.assert_close(proposal.q.sum(-1), torch.ones(1, 5))
 
 
+def test_a_vocabulary_limit_drafts_from_the_first_draft_ids_only(target):
+    """set_vocab_limit(n): every drafted token is one of the head's first n draft ids and q is zero elsewhere;
+    greedy output stays plain decoding's; a limit after a captured round's buffers exist, or below 1, is refused."""
+    head = tiny_head(target, draft_vocab=20)
+    engine = Engine.from_models(target, [head])
+    drafter = engine.drafters["draft_head"]
+    drafter.set_vocab_limit(8)
+    rows = [[5, 7, 11, 13]]
+    engine._start(rows, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    proposal = drafter.propose(rows, 5)
+    first = head.draft_ids[:8]
+    assert set(proposal.tokens[0].tolist()) <= set(first.tolist())
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[first] = False
+    assert float(proposal.q[..., outside].abs().sum()) == 0.0
+    torch.testing.assert_close(proposal.q.sum(-1), torch.ones(1, 5))
+    prompt = [5, 7, 11, 13, 17, 19, 5, 7]
+    assert engine.generate(prompt, 16, drafters=["draft_head"], gamma=3).token_ids == \
+        engine.generate(prompt, 16, mode="plain").token_ids
+    with pytest.raises(ValueError, match="positive"):
+        drafter.set_vocab_limit(0)
+    drafter.bind(1, 32)
+    with pytest.raises(RuntimeError, match="before"):
+        drafter.set_vocab_limit(None)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["q8_0", "int8_rows"])
 def test_a_packed_head_steps_as_the_float_head(native):
     """`DraftHead.pack`: fused q/k/v and gate/up products give each layer's own outputs bit for bit, and a packed
