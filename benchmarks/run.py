@@ -258,7 +258,7 @@ def parse_args(argv=None):
                     help="verified slots that wait before the draft head's first pass (1: every round, inside a "
                     "captured round; default: the head's own, CATCH_UP)")
     ap.add_argument("--head-vocab", type=int, default=None, help="the draft head drafts from this many of its most "
-                    "frequent ids (0: all of them; default: the shipped choice for the device, ShippedHead)")
+                    "frequent ids (0: all of them; default: the shipped head's, engine.HEADS)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="the engine rows' sampling temperature (0: greedy); the Hugging Face rows stay greedy")
     args = ap.parse_args(argv)

@@ -555,7 +555,6 @@ class DraftHeadDrafter(Drafter):
             raise ValueError(f"catch_up must be a positive int, got {catch_up!r}")
         super().__init__(head.d2t.device)
         self.head, self.vocab_size = head, vocab_size
-        self.set_vocab_limit(vocab_limit)
         head.columns = self.device.type == "cpu"  # matrix products for its few rows there (fast_path.linear)
         self.aux_layers = head.cfg.aux_layers
         self.dtype = next(head.parameters()).dtype
@@ -569,11 +568,12 @@ class DraftHeadDrafter(Drafter):
         self.waiting: list[torch.Tensor] = []  # features [B, n, F] of verified slots not yet through the first pass
         self.sets_length = self.device.type == "cpu"
         self.costs: CostModel | None = None  # the target's measured forward costs, handed over by the policy
+        self.set_vocab_limit(vocab_limit)
 
     def set_vocab_limit(self, vocab_limit: int | None) -> None:
         """Draft from the first `vocab_limit` (most frequent) ids of the head's vocabulary; None = all of them.
         Before the first round (a captured round's buffers are sized by it)."""
-        if getattr(self, "fixed", None) is not None:
+        if self.fixed is not None:
             raise RuntimeError("set the draft vocabulary before the head's first captured round")
         if vocab_limit is not None and not 0 < vocab_limit:
             raise ValueError(f"vocab_limit must be positive, got {vocab_limit}")
