@@ -362,17 +362,22 @@ class DraftHead(nn.Module):
         h = self._joined_product("o", o, hidden.reshape(B * T, -1))
         both = self._joined_product("gate_up", layer_ops.rms_norm(h, layer.post_attention_layernorm.weight,
                                                                   cfg.rms_norm_eps))
-        return self._joined_product("down", layer_ops.silu_mul(both), h).view(B, T, -1)
+        # h is this step's own tensor: the down GEMM adds into it in place (one device copy less a step)
+        return self._joined_product("down", layer_ops.silu_mul(both), h, own=not h.requires_grad).view(B, T, -1)
 
-    def _joined_product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def _joined_product(self, name: str, x: torch.Tensor, residual: torch.Tensor | None = None,
+                        own: bool = False) -> torch.Tensor:
         """x [M, in] through product `name` (q, k, v as one; gate, up as one) plus residual [M, out] if given, in
-        as few kernels as the weights allow: a float weight adds the residual in its GEMM (beta = 1)."""
+        as few kernels as the weights allow: a float weight adds the residual in its GEMM (beta = 1). own: the
+        residual is the caller's to overwrite, so the sum lands in it (`addmm_`: no copy of it first)."""
         packed = self.packed.get(name)
         if packed is not None:
             out = packed(x).to(x.dtype)
-            return out if residual is None else residual + out
+            return out if residual is None else residual.add_(out) if own else residual + out
         weight = self._joined()[name]
-        return F.linear(x, weight) if residual is None else torch.addmm(residual, x, weight.t())
+        if residual is None:
+            return F.linear(x, weight)
+        return residual.addmm_(x, weight.t()) if own else torch.addmm(residual, x, weight.t())
 
     def _joined(self) -> dict[str, torch.Tensor]:
         """The captured step's float weights, one a product (q, k, v stacked; gate, up stacked), remade when a

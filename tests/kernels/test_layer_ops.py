@@ -304,6 +304,24 @@ def test_the_heads_kernel_step_follows_its_weights(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
+def test_a_product_that_adds_into_its_own_residual_gives_the_copying_products_bits(device, dtype):
+    """The kernel step's down product adds into the step's own h (`own=True`: `addmm_`, no copy first): the same
+    bits as `addmm` into a new tensor; a residual that is not the caller's (`own=False`) is left as it was."""
+    _, head = tiny_pair(device)
+    head = head.to(dtype)
+    g = torch.Generator(device=device).manual_seed(5)
+    x = torch.randn(3, head.cfg.intermediate_size, generator=g, device=device).to(dtype)
+    residual = torch.randn(3, 32, generator=g, device=device).to(dtype)
+    kept = residual.clone()
+    want = head._joined_product("down", x, residual)
+    assert torch.equal(residual, kept)
+    mine = residual.clone()
+    got = head._joined_product("down", x, mine, own=True)
+    assert got.data_ptr() == mine.data_ptr() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
 def test_the_draft_heads_tree_step_with_the_kernels_is_its_torch_step(device, dtype, monkeypatch):
     """A tree level (`step_tree_at`: slots, rotary positions and a mask of its own) on the kernels gives the torch
     ops' outputs and cache: three siblings after a first pass over five slots, then two children of two of them."""
