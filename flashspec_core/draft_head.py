@@ -373,7 +373,9 @@ class DraftHead(nn.Module):
         packed = self.packed.get(name)
         if packed is not None:
             out = packed(x).to(x.dtype)
-            return out if residual is None else residual.add_(out) if own else residual + out
+            if residual is None:
+                return out
+            return residual.add_(out) if own else residual + out
         weight = self._joined()[name]
         if residual is None:
             return F.linear(x, weight)
