@@ -61,6 +61,8 @@ class Shape:
     #                                 its static shape (`TreeSize.sampled`)
     defer: bool = False  # the verify's features wait in the head's backlog (`CapturedRound.catch_up`) instead of
     #                      going through its first pass in the round
+    truncates: bool = False  # sampling with top-k or top-p on (`SamplingConfig.truncates`): the laws sort the
+    #                          vocabulary; a graph without it serves temperature alone
 
 
 @dataclass(frozen=True)
@@ -216,13 +218,13 @@ class CapturedRound:
         guess = [self.head.fixed.guess] if shape.observe else []  # the head's guess at the pre-round context
         if shape.head:
             proposal = self.head.propose_at(K, self.length, shape.S, None if greedy else self.head_params,
-                                            self.generator)
+                                            self.generator, shape.truncates)
         else:
             proposal = Proposal(self.draft[:, :K], None)
         pos = self.length + self.steps[:K + 1]  # [K+1] cache slots and rotary positions of the verify
         logits, aux = self.target._forward(torch.cat([self.pending, proposal.tokens], dim=1), pos, shape.S, K + 1)
         logits = logits[..., :self.target.vocab_size].float()  # [B, K+1, V]
-        p = logits if greedy else logits_to_probs_at(logits, self.params)
+        p = logits if greedy else logits_to_probs_at(logits, self.params, shape.truncates)
         result = verify(proposal.tokens, proposal.q, p, generator=self.generator, greedy=greedy, backend=self.backend)
         kept = result.num_accepted.min().view(1)  # rows advance together by the shortest accepted prefix + 1
         packed = pack(proposal, logits.softmax(dim=-1) if greedy else p, result, guess)
@@ -287,14 +289,15 @@ class CapturedRound:
         a row of the tree's parents."""
         greedy = shape.greedy
         proposal = self.head.propose_tree_at(shape.tree, self.length, shape.S) if greedy else \
-            self.head.propose_sampled_tree_at(shape.tree, self.length, shape.S, self.head_params, self.generator)
+            self.head.propose_sampled_tree_at(shape.tree, self.length, shape.S, self.head_params, self.generator,
+                                              shape.truncates)
         if greedy and shape.tree.copy:  # prompt lookup's chain as one more branch
             proposal = self.grafted(proposal, shape.tree.copy)
         tree, guess = proposal.tree, [self.head.fixed.guess] if shape.observe else []
         fed = torch.cat([self.pending, proposal.tokens.clamp_min(0)], dim=1)  # (a -1 node is never accepted)
         logits, aux = self.target.forward_tree_at(fed, tree, self.length, shape.S)
         logits = logits[..., :self.target.vocab_size].float()  # [B, N+1, V]
-        p = logits if greedy else logits_to_probs_at(logits, self.params)
+        p = logits if greedy else logits_to_probs_at(logits, self.params, shape.truncates)
         result = verify_tree(tree, proposal.tokens, proposal.q, p, generator=self.generator, greedy=greedy,
                              backend=self.backend)
         kept = result.num_accepted.min().view(1)

@@ -668,16 +668,18 @@ class DraftHeadDrafter(Drafter):
         self.cache.length = n
         self.h, self.logits, self.guess = f.h, f.logits, f.guess
 
-    def propose_at(self, k: int, length: torch.Tensor, S: int, params: torch.Tensor | None, generator) -> Proposal:
+    def propose_at(self, k: int, length: torch.Tensor, S: int, params: torch.Tensor | None, generator,
+                   truncates: bool = True) -> Proposal:
         """`propose` inside a captured round from the fixed state: draft step i writes head slot length + i (device
-        length [1]); params None = greedy, else `sampling_params`. Its slots are overwritten by `observe_at`."""
+        length [1]); params None = greedy, else `sampling_params` (truncates: `logits_to_probs_at`'s). Its slots
+        are overwritten by `observe_at`."""
         h, logits = self.fixed.h, self.fixed.logits
         tokens, qs = [], []
         for i in range(k):
             if params is None:
                 index, q = argmax(logits), None
             else:
-                q = logits_to_probs_at(logits, params)
+                q = logits_to_probs_at(logits, params, truncates)
                 index = sample(q, generator)
             tokens.append(self.ids[index])
             qs.append(q)
@@ -720,20 +722,21 @@ class DraftHeadDrafter(Drafter):
                        depth, k, backend)
 
     def propose_sampled_tree_at(self, shape, length: torch.Tensor, S: int, params: torch.Tensor,
-                                generator) -> TreeProposal:
+                                generator, truncates: bool = True) -> TreeProposal:
         """`_sampled_tree` inside a captured round, from the fixed state: the static shape's levels, each level's
         children drawn without replacement from the head's q at their parents (one draw over the level), then one
         head step over the level's nodes at head slots length + (the nodes of the levels above), each seeing the
         verified slots, its ancestors and itself (`observe_at` overwrites them). The tree is the shape as a
         `TensorTree` whose depth bound is `shape.depth` (the record's layout, as a greedy tree's); q [B, N, V] the law
-        each node was drawn from, as `kernels.tree_verify` reads it. shape: a `TreeSize`, drafted as `shape.sampled`."""
+        each node was drawn from, as `kernels.tree_verify` reads it. shape: a `TreeSize`, drafted as `shape.sampled`;
+        truncates: `logits_to_probs_at`'s."""
         plan, cache = self._sampled_plan(shape), self.fixed.cache
         h, logits = self.fixed.h, self.fixed.logits[:, None]  # the level above's [B, W, H], [B, W, draft V]
         score = logits.new_zeros(logits.shape[:2], dtype=torch.float32)
         verified = (cache.slots[:S] < length)[None, :]  # [1, S]
         tokens, qs, scores = [], [], []
         for d, lv in enumerate(plan.levels, start=1):
-            law = logits_to_probs_at(logits.index_select(1, lv.parents), params)  # [B, P, draft V]
+            law = logits_to_probs_at(logits.index_select(1, lv.parents), params, truncates)  # [B, P, draft V]
             drawn, laws = _without_replacement(law, lv.draws, generator)  # [B, P, c], [B, P, c, draft V]
             index = drawn.flatten(1).index_select(1, lv.pick)  # [B, W] the level's nodes
             q = laws.flatten(1, 2).index_select(1, lv.pick)  # [B, W, draft V]

@@ -53,6 +53,8 @@ class ShippedHead:
     vocab_limit: int | None = None  # draft from this many of its most frequent ids (a cheaper step); None = all
 
 
+# One sampling of each kind a captured round's graphs tell apart: greedy, temperature alone, top-k or top-p on
+LAWS = (SamplingConfig(), SamplingConfig(temperature=1.0), SamplingConfig(temperature=1.0, top_p=0.9))
 HEADS = {"embedded": ShippedHead(ASSETS / "draft_head", vocab_limit=12288)}  # target -> its trained head
 
 # Model pairs are data. Drafter entries: a Hub id or folder (a draft model), or a model-free drafter name.
@@ -279,14 +281,14 @@ class Engine:
 
     def warm_up(self, max_context: int = 2048, tree_tokens: int = 0, trees=()) -> float:
         """Measure the machine's costs (`calibrate`) and, where rounds replay as CUDA graphs, capture every graph a
-        stream of up to `max_context` tokens can choose (greedy and sampling, every K of gamma "auto", every
-        context bucket; with tree_tokens, the target's tree verifies of 2..tree_tokens slots too, for eager trees;
-        with trees, `TreeSize`s, the captured tree rounds of each one's fixed shape, greedy and sampled), so that
+        stream of up to `max_context` tokens can choose (each of `LAWS`, every K of gamma "auto", every context
+        bucket; with tree_tokens, the target's tree verifies of 2..tree_tokens slots too, for eager trees; with
+        trees, `TreeSize`s, the captured tree rounds of each one's fixed shape, greedy and sampled), so that
         streams capture nothing; then settles the heap (what the captures left alive, out of the collector's full
         passes, which otherwise stall a stream's round now and then); returns the seconds it took."""
         t0 = time.perf_counter()
         self.calibrate()
-        for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0)):
+        for sampling in LAWS:
             # a sampled "auto" takes chains; a sampled tree drops its copied branch
             fixed = [t.taken(sampling.greedy).fixed for t in trees if sampling.greedy or not t.auto]
             self.round.warm_up(sampling, max_context, trees=list(dict.fromkeys(fixed)))

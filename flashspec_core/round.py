@@ -248,7 +248,7 @@ class DeviceRound:
         if tree is not None:
             from flashspec_core.tree_round import launch_tree
 
-            launched = launch_tree(self, drafter, tree, sampling.greedy)
+            launched = launch_tree(self, drafter, tree, sampling)
         else:
             launched = self._launch(rows, drafter, k, sampling, generator)
         self.unlanded.append(launched)
@@ -342,7 +342,8 @@ class DeviceRound:
         stores = observe and c.defers and not drafts
         current = self.head_ready(drafts, K + 1 if stores else 0)
         guessers = [head.name] if observe and head.h is not None and current else []
-        shape = Shape(drafts, K, self.target.bucket(self.target.length + K + 1), sampling.greedy, observe, defer=stores)
+        shape = Shape(drafts, K, self.target.bucket(self.target.length + K + 1), sampling.greedy, observe, defer=stores,
+                      truncates=sampling.truncates)
         timer.drafted()  # a model-free draft ends here; the head's drafting runs inside the round (in verify_s)
         packed = self._to_host(c.run(shape))
         timer.launched()  # after the record's copy was queued: this event also says when the host may read it
@@ -507,13 +508,14 @@ class DeviceRound:
         if N + 1 > self.target.max_graph_tokens:
             raise ValueError(f"a captured tree round verifies at most {self.target.max_graph_tokens - 1} drafted "
                              f"tokens; this tree has {N} (its nodes and its copied branch): ask for a smaller one")
-        trees = [Shape(True, N, S, sampling.greedy, True, tree) for S in buckets if S > N] \
+        law = dict(greedy=sampling.greedy, truncates=sampling.truncates)
+        trees = [Shape(True, N, S, observe=True, tree=tree, **law) for S in buckets if S > N] \
             if tree is not None and observe and head else []
         defers = observe and head and self.captured.defers
         prompt_S = [S for S in [self.captured.prompt_S()] if observe and S is not None]
         prompt = [PromptPiece(T, S) for S in dict.fromkeys(prompt_S + (buckets if defers else []))
                   for T in piece_sizes(self.target.max_graph_tokens)]  # the head's first pass over a prompt, a backlog
-        return prompt + trees + [Shape(h, K, S, sampling.greedy, observe, defer=defers and not h) for S in buckets
+        return prompt + trees + [Shape(h, K, S, observe=observe, defer=defers and not h, **law) for S in buckets
                                  for K in range(max_gamma + 1)
                                  for h in ((False, True) if observe and head and K else (False,)) if S >= K + 1]
 

@@ -37,6 +37,11 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p may drop tokens when sampling (a captured round then sorts the vocabulary)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
 
 def draft_sampling(cfg: SamplingConfig, draft_temperature: float) -> SamplingConfig:
     """The settings a drafter draws from when it drafts at `draft_temperature` times the target's temperature
@@ -79,10 +84,14 @@ def sampling_params(cfg: SamplingConfig, device) -> torch.Tensor:
     return torch.tensor([cfg.temperature or 1.0, cfg.top_k, top_p], dtype=torch.float32, device=device)
 
 
-def logits_to_probs_at(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+def logits_to_probs_at(logits: torch.Tensor, params: torch.Tensor, truncates: bool = True) -> torch.Tensor:
     """`logits_to_probs` for sampling, with its settings in a device tensor params [3] (`sampling_params`): one
-    sequence of ops for every setting, so one captured graph serves them all. [..., V] -> [..., V] float32."""
+    sequence of ops for every setting, so one captured graph serves them all. [..., V] -> [..., V] float32.
+    truncates False (the settings' `SamplingConfig.truncates`): temperature alone, without the sort that top-k and
+    top-p need; the same bits as the full sequence gives for settings that keep every token."""
     logits = logits.float() / params[0]
+    if not truncates:
+        return logits.softmax(dim=-1)
     V = logits.shape[-1]
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     k = params[1].long()

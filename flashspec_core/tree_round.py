@@ -5,7 +5,7 @@ hidden states of the kept slots). Eager on every model path; one device-to-host 
 besides the one the head's drafting makes for the tree's shape (`DraftHeadDrafter._rerank`).
 
     run_tree(round, rows, drafter, TreeSize(depth, top_k, size), sampling, generator) -> RoundOutput
-    launch_tree(round, drafter, TreeSize(...), greedy) -> Launched  on the captured round (`DeviceRound.launch`)
+    launch_tree(round, drafter, TreeSize(...), sampling) -> Launched  on the captured round (`DeviceRound.launch`)
     land_tree(round, rows, launched) -> RoundOutput                 its landing (`DeviceRound.land`)
 
 The captured version (`CapturedRound.tree_body`) does the same on the device with fixed shapes: the head's levels
@@ -155,7 +155,7 @@ def captured_nodes(shape: TreeSize, greedy: bool) -> int:
     return shape.nodes + shape.copy if greedy else shape.sampled.N
 
 
-def launch_tree(round_, drafter: DraftHeadDrafter, shape: TreeSize, greedy: bool = True):
+def launch_tree(round_, drafter: DraftHeadDrafter, shape: TreeSize, sampling: SamplingConfig = SamplingConfig()):
     """A tree round on the captured round (every drafted node verified; sampled: the static shape), queued as one
     graph (`CapturedRound.tree_body`) with its record's copy to the host: a `round.Launched` that `land_tree`
     finishes. It reads nothing from the device, so it may be launched while the round before it is in flight."""
@@ -164,10 +164,12 @@ def launch_tree(round_, drafter: DraftHeadDrafter, shape: TreeSize, greedy: bool
     timer, c, target = RoundTimer(round_.device, round_.stream), round_.captured, round_.target
     current = round_.head_ready(True, 0)  # the head takes its backlog before it drafts
     guessers = [drafter.name] if target.aux_layers and drafter.h is not None and current else []
+    greedy = sampling.greedy
     N = captured_nodes(shape, greedy)
     S = target.bucket(target.length + max(N + 1, shape.depth * min(shape.top_k, shape.size)))  # the verify's slots,
     timer.drafted()  # the head's levels' slots (from the same start); the head drafts inside the round (verify_s)
-    packed = round_._to_host(c.run(Shape(True, N, S, greedy, bool(target.aux_layers), tree=shape)))
+    packed = round_._to_host(c.run(Shape(True, N, S, greedy, bool(target.aux_layers), tree=shape,
+                                         truncates=sampling.truncates)))
     timer.launched()
     launched = Launched(N, packed, guessers, timer, captured=True, ready=timer.end if timer.cuda else None, tree=shape)
     target.length += launched.most  # the most the round keeps (the device compacts it; `land_tree` crops)

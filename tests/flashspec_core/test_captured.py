@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from flashspec_core import Engine, SamplingConfig
+from flashspec_core.captured import Shape
 from flashspec_core.sampling import logits_to_probs, logits_to_probs_at, sampling_params
 from flashspec_core.tree_round import TreeSize
 from kernels.tree_level import copy_graft_triton
@@ -35,6 +36,18 @@ def test_device_settings_give_the_same_probabilities(name):
     want, got = logits_to_probs(logits, cfg), logits_to_probs_at(logits, sampling_params(cfg, "cpu"))
     assert torch.equal(want > 0, got > 0)
     torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_settings_that_keep_every_token_skip_the_sort_and_keep_its_bits(name):
+    """A graph for temperature alone (`truncates=False`) gives the full sequence's bits for the settings it serves;
+    the settings that drop tokens say so (`SamplingConfig.truncates`), so they get the graph that sorts."""
+    cfg = SAMPLINGS[name]
+    logits = torch.randn(3, 5, 1000, generator=torch.Generator().manual_seed(2)) * 4
+    params = sampling_params(cfg, "cpu")
+    full, short = logits_to_probs_at(logits, params), logits_to_probs_at(logits, params, truncates=False)
+    assert cfg.truncates == (cfg.top_k > 0 or cfg.top_p < 1.0)
+    assert torch.equal(short, full) != cfg.truncates
 
 
 @pytest.mark.parametrize("drafters", [["draft_head"], ["prompt_lookup"], None], ids=["head", "lookup", "bandit"])
@@ -283,7 +296,7 @@ def test_every_shape_a_stream_runs_is_listed(tiny):
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch", captured="eager")
     ran = []
-    for sampling in (GREEDY, T1):
+    for sampling in (GREEDY, T1, SAMPLINGS["topk_topp"]):
         engine.generate(PROMPT, 2)  # builds the captured round
         c = engine.round.captured
         original = c.run
@@ -291,7 +304,10 @@ def test_every_shape_a_stream_runs_is_listed(tiny):
         engine.generate(PROMPT, 60, sampling=sampling, gamma="auto")
         listed = set(engine.round.shapes(sampling, len(PROMPT) + 60 + 17, 16))
         assert ran and set(ran) <= listed, set(ran) - listed
-        assert any(s.head for s in ran) and any(not s.head and s.K for s in ran) and any(s.K == 0 for s in ran)
+        rounds = [s for s in ran if isinstance(s, Shape)]  # not the head's passes over the prompt
+        assert any(s.head for s in rounds) and any(not s.head and s.K for s in rounds)
+        assert any(s.K == 0 for s in rounds)
+        assert {s.truncates for s in rounds} == {sampling.truncates}  # the graph its sampling needs
         ran.clear()
         c.run = original
 

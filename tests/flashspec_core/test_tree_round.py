@@ -335,9 +335,9 @@ def test_a_greedy_auto_tree_on_a_captured_round_verifies_its_bound(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_a_tree_stream_after_warm_up_captures_nothing(tiny):
     """On CUDA, Engine.warm_up(tree_tokens=13, trees=(a 12-node tree,)) captures what its streams replay: the
-    target's tree verifies (eager trees') and the captured tree rounds, greedy and sampled; neither stream adds a
-    graph or runs an eager round, the sampled one's rounds are trees, and the greedy one gives plain decoding's
-    tokens."""
+    target's tree verifies (eager trees') and the captured tree rounds, greedy and sampled (temperature alone and
+    with top-p); no stream adds a graph or runs an eager round, the sampled ones' rounds are trees, and the greedy
+    one gives plain decoding's tokens."""
     from tests.flashspec_core.test_captured import cuda_engine
 
     engine, shape = cuda_engine(tiny, torch.float32), SIZES["width4"]
@@ -345,8 +345,9 @@ def test_a_tree_stream_after_warm_up_captures_nothing(tiny):
     graphs = lambda: (len(engine.target.tree_graphs), len(engine.round._built.graphs))  # noqa: E731
     before = graphs()
     assert before[0] > 0 and before[1] > 0
-    sampled = engine.generate(PROMPT, 40, SamplingConfig(temperature=1.0), drafters=["draft_head"], tree=shape)
-    assert any(e.drafted_tree is not None for e in sampled.events)
+    for sampling in (SamplingConfig(temperature=1.0), SamplingConfig(temperature=1.0, top_p=0.8)):
+        sampled = engine.generate(PROMPT, 40, sampling, drafters=["draft_head"], tree=shape)
+        assert any(e.drafted_tree is not None for e in sampled.events)
     result = engine.generate(PROMPT, 40, drafters=["draft_head"], tree=shape)
     assert graphs() == before and engine.round._built.eager_rounds == 0
     assert result.token_ids == engine.generate(PROMPT, 40, mode="plain").token_ids
