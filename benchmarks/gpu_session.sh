@@ -22,7 +22,8 @@
 #   r2:      stash part 2 (.carry/p2), the verify kernel's tests on CUDA
 #   r3:      assemble with part 3 (.carry/p3); run benchmarks.run once per line of RUN_ARGS (each at most RUN_TIMEOUT s;
 #            leading NAME=value words set that run's environment); every run's JSON and CSV come back in r3_results.tgz
-#            (HEAD_CKPT=.carry/ckNN: export that checkpoint as assets/draft_head first)
+#            (HEAD_CKPT=.carry/ckNN: export that checkpoint as assets/draft_head first; R3_PROFILE set: then
+#            benchmarks.round_profile with its arguments, e.g. "--temperature 1 --tag t1_s53", its JSON in the archive)
 #   t3:      assemble with part 3 (.carry/p3); the tests in T3_TESTS (if set), benchmarks.tree_exact (the forwards' and
 #            greedy trees' bits against plain decoding), then benchmarks.tree_round (TREE_ARGS): chains against trees,
 #            then (T3_PROFILE set: its arguments) benchmarks.round_profile: each config's kernels a round
@@ -186,9 +187,11 @@ r3)  # assemble the GGUF with part 3 (.carry/p3), then the engine benchmarks (RU
     timeout ${RUN_TIMEOUT:-280} env "${envs[@]}" python3 -m benchmarks.run --preset embedded "$@" 2>&1 \
       | grep -v -i "loading weights\|de-quantizing\|clean_up_tokenization" | tail -${RUN_TAIL:-30}
   done <<< "${RUN_ARGS:-}"
+  [ -n "${R3_PROFILE:-}" ] && timeout 200 python3 -m benchmarks.round_profile --rows 30 ${R3_PROFILE} 2>&1 \
+    | grep -v -i "loading weights\|de-quantizing" | tail -60
   # one archive (a call brings back 8 files): every run's JSON and CSV
-  find benchmarks/results -name 'engine_embedded_cuda*' -newer /tmp/r3.start -print0 \
-    | tar czf "$OUT/r3_results.tgz" --null -T - ;;
+  find benchmarks/results \( -name 'engine_embedded_cuda*' -o -name 'round_profile_cuda*' \) -newer /tmp/r3.start \
+    -print0 | tar czf "$OUT/r3_results.tgz" --null -T - ;;
 t3)  # assemble the GGUF with part 3 (.carry/p3), then chains against trees (TREE_ARGS, e.g. "--precision auto
   # --captured auto --tag h200": chains and greedy trees on CUDA graphs)
   assemble3
