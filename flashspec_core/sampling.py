@@ -86,9 +86,9 @@ def sampling_params(cfg: SamplingConfig, device) -> torch.Tensor:
 
 def logits_to_probs_at(logits: torch.Tensor, params: torch.Tensor, truncates: bool = True) -> torch.Tensor:
     """`logits_to_probs` for sampling, with its settings in a device tensor params [3] (`sampling_params`): one
-    sequence of ops for every setting, so one captured graph serves them all. [..., V] -> [..., V] float32.
-    truncates False (the settings' `SamplingConfig.truncates`): temperature alone, without the sort that top-k and
-    top-p need; the same bits as the full sequence gives for settings that keep every token."""
+    sequence of ops for every setting of top-k and top-p, so one captured graph serves them all. [..., V] -> [..., V]
+    float32. truncates False (the settings' `SamplingConfig.truncates`): temperature alone, without the sort that
+    top-k and top-p need; the same bits as the full sequence gives for settings that keep every token."""
     logits = logits.float() / params[0]
     if not truncates:
         return logits.softmax(dim=-1)
