@@ -65,6 +65,11 @@ class Shape:
     #                          vocabulary; a graph without it serves temperature alone
 
 
+def law(sampling: SamplingConfig) -> dict:
+    """A `Shape`'s fields for a stream's sampling: greedy, and whether top-k or top-p truncate its laws."""
+    return dict(greedy=sampling.greedy, truncates=sampling.truncates)
+
+
 @dataclass(frozen=True)
 class PromptPiece:
     """The head's first pass over T of a prompt's slots, attending over S slots (`CapturedRound.prompt`)."""

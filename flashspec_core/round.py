@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashspec_core.captured import PIECE, CapturedRound, PromptPiece, Shape, pack, piece_sizes
+from flashspec_core.captured import PIECE, CapturedRound, PromptPiece, Shape, law, pack, piece_sizes
 from flashspec_core.drafters import DraftHeadDrafter, DraftModel, Drafter, NoDraft
 from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
@@ -342,8 +342,8 @@ class DeviceRound:
         stores = observe and c.defers and not drafts
         current = self.head_ready(drafts, K + 1 if stores else 0)
         guessers = [head.name] if observe and head.h is not None and current else []
-        shape = Shape(drafts, K, self.target.bucket(self.target.length + K + 1), sampling.greedy, observe, defer=stores,
-                      truncates=sampling.truncates)
+        shape = Shape(drafts, K, self.target.bucket(self.target.length + K + 1), observe=observe, defer=stores,
+                      **law(sampling))
         timer.drafted()  # a model-free draft ends here; the head's drafting runs inside the round (in verify_s)
         packed = self._to_host(c.run(shape))
         timer.launched()  # after the record's copy was queued: this event also says when the host may read it
@@ -508,16 +508,16 @@ class DeviceRound:
         if N + 1 > self.target.max_graph_tokens:
             raise ValueError(f"a captured tree round verifies at most {self.target.max_graph_tokens - 1} drafted "
                              f"tokens; this tree has {N} (its nodes and its copied branch): ask for a smaller one")
-        law = dict(greedy=sampling.greedy, truncates=sampling.truncates)
-        trees = [Shape(True, N, S, observe=True, tree=tree, **law) for S in buckets if S > N] \
+        trees = [Shape(True, N, S, observe=True, tree=tree, **law(sampling)) for S in buckets if S > N] \
             if tree is not None and observe and head else []
         defers = observe and head and self.captured.defers
         prompt_S = [S for S in [self.captured.prompt_S()] if observe and S is not None]
         prompt = [PromptPiece(T, S) for S in dict.fromkeys(prompt_S + (buckets if defers else []))
                   for T in piece_sizes(self.target.max_graph_tokens)]  # the head's first pass over a prompt, a backlog
-        return prompt + trees + [Shape(h, K, S, observe=observe, defer=defers and not h, **law) for S in buckets
-                                 for K in range(max_gamma + 1)
-                                 for h in ((False, True) if observe and head and K else (False,)) if S >= K + 1]
+        chains = [Shape(h, K, S, observe=observe, defer=defers and not h, **law(sampling)) for S in buckets
+                  for K in range(max_gamma + 1)
+                  for h in ((False, True) if observe and head and K else (False,)) if S >= K + 1]
+        return prompt + trees + chains
 
     def sync(self) -> None:
         if self.device.type == "cuda":

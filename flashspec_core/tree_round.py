@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from flashspec_core.captured import Shape, pack_tree
+from flashspec_core.captured import Shape, law, pack_tree
 from flashspec_core.checks import is_int, shown
 from flashspec_core.drafters import DraftHeadDrafter
 from flashspec_core.gamma import MAX_GAMMA
@@ -164,12 +164,10 @@ def launch_tree(round_, drafter: DraftHeadDrafter, shape: TreeSize, sampling: Sa
     timer, c, target = RoundTimer(round_.device, round_.stream), round_.captured, round_.target
     current = round_.head_ready(True, 0)  # the head takes its backlog before it drafts
     guessers = [drafter.name] if target.aux_layers and drafter.h is not None and current else []
-    greedy = sampling.greedy
-    N = captured_nodes(shape, greedy)
+    N = captured_nodes(shape, sampling.greedy)
     S = target.bucket(target.length + max(N + 1, shape.depth * min(shape.top_k, shape.size)))  # the verify's slots,
     timer.drafted()  # the head's levels' slots (from the same start); the head drafts inside the round (verify_s)
-    packed = round_._to_host(c.run(Shape(True, N, S, greedy, bool(target.aux_layers), tree=shape,
-                                         truncates=sampling.truncates)))
+    packed = round_._to_host(c.run(Shape(True, N, S, observe=bool(target.aux_layers), tree=shape, **law(sampling))))
     timer.launched()
     launched = Launched(N, packed, guessers, timer, captured=True, ready=timer.end if timer.cuda else None, tree=shape)
     target.length += launched.most  # the most the round keeps (the device compacts it; `land_tree` crops)
