@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from flashspec_core.draft_head import DraftHead, HeadCache
-from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length, worth_another
+from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length, length_rates, worth_another
 from flashspec_core.models import CausalLM
 from flashspec_core.sampling import SamplingConfig, draft_sampling, logits_to_probs, logits_to_probs_at, sample
 from flashspec_core.tree import DraftTree, TensorTree
@@ -290,6 +290,12 @@ class CopyDrafter(Drafter):
     def propose_ids(self, row, k):
         tokens, length, split = self._match(row, k)
         return tokens[:self._length(length, split, len(tokens))]
+
+    def copy_rate(self, row, k: int) -> float:
+        """The expected tokens per second of this drafter's best copy of at most k tokens at row's context (by this
+        session's odds and the measured costs; 0 without a copy)."""
+        tokens, length, split = self._match(row, k)
+        return max(length_rates(self._survival(length, split, len(tokens)), self.costs)[1:], default=0.0)
 
     def branch(self, rows, k: int, floor: float = BRANCH_FLOOR) -> torch.Tensor | None:
         """Copied chains to join a greedy draft tree as one more branch (`TreeProposal.graft`): [B, C] int64, -1

@@ -162,11 +162,15 @@ def best_length(survival: list[float], costs: CostModel, draft_step_s: float = 0
     the first j drafted tokens are all accepted (K = 0: a plain step). best_gamma is the case survival[j - 1] = a^j."""
     if costs.plain_step() <= 0:
         return min(4, len(survival))
+    rates = length_rates(survival, costs, draft_step_s)
+    return rates.index(max(rates))
+
+
+def length_rates(survival: list[float], costs: CostModel, draft_step_s: float = 0.0) -> list[float]:
+    """Expected tokens per second of a round drafting K = 0..len(survival) of the tokens (`best_length`'s survival)."""
     forward = costs.curve(len(survival) + 1)
-    best, best_rate, tokens = 0, 1.0 / forward[0], 1.0
+    rates, tokens = [1.0 / forward[0]], 1.0
     for k, p in enumerate(survival, start=1):
         tokens += p
-        rate = tokens / (k * draft_step_s + forward[k])
-        if rate > best_rate:
-            best, best_rate = k, rate
-    return best
+        rates.append(tokens / (k * draft_step_s + forward[k]))
+    return rates

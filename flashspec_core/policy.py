@@ -9,10 +9,15 @@ import math
 from dataclasses import replace
 
 from flashspec_core.bandit import speed_reward
-from flashspec_core.drafters import Drafter, NoDraft
-from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost, best_gamma, best_tree_nodes
+from flashspec_core.drafters import CopyDrafter, Drafter, NoDraft
+from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost, best_gamma, best_tree_nodes, expected_tokens
 from flashspec_core.stream import Counterfactual, Played, StreamState
 from flashspec_core.tree import DraftTree
+
+
+SURE_COPY = 1.3  # a copy plays over the bandit's choice where it promises this many times the rival arm's rate
+SCORED_COPIES = 3.0  # once its odds were scored on this many copied tokens in the session (decayed, by their prior)
+RATE_DECAY = 0.8  # an arm's tokens per second over its recent rounds: a decayed mean (~5 rounds)
 
 
 class HostPolicy:
@@ -44,7 +49,37 @@ class HostPolicy:
 
     # -- before a round ------------------------------------------------------------------------------
     def choose(self, s: StreamState) -> str:
-        return s.bandit.select() if s.bandit else s.arms[0]
+        """The stream's arm for the next round: the bandit's, unless a copy arm is sure of a long copy here
+        (`sure_copy`)."""
+        if not s.bandit:
+            return s.arms[0]
+        return self.sure_copy(s) or s.bandit.select()
+
+    def sure_copy(self, s: StreamState) -> str | None:
+        """The copy arm whose copy at the current context promises the most tokens per second, where that is at least
+        SURE_COPY times the rival's (`rival_rate`) and its odds have been tested in this session (SCORED_COPIES):
+        the bandit's means do not see the context, so a copy arm that can rarely copy still plays a strong match."""
+        tested = [a for a in s.arms if isinstance(self.drafters[a], CopyDrafter) and
+                  self.drafters[a].odds.expected >= SCORED_COPIES]
+        if not self.calibrated or not tested:
+            return None
+        rates = {a: self.drafters[a].copy_rate(s.rows[0], self.gamma(s, a, s.max_gamma)) for a in tested}
+        best = max(rates, key=rates.get)
+        return best if rates[best] > SURE_COPY * self.rival_rate(s) else None
+
+    def rival_rate(self, s: StreamState) -> float:
+        """Tokens per second the stream's best arm that does not copy can be expected to make: at its best K by its
+        acceptance and the measured costs, or as its recent rounds made (a tree's rounds beat its acceptance's
+        chain), plain decoding's rate at least."""
+        best = 1.0 / self.costs.plain_step()
+        for arm in s.arms:
+            if self.drafters[arm].model_free:
+                continue
+            a, draft = s.acceptance[arm].rate, self.draft_costs.get(arm, DraftCost())
+            K = best_gamma(a, draft, self.costs, MAX_AUTO_GAMMA)
+            chain = expected_tokens(a, K) / (draft.seconds(K) + self.costs.forward(K + 1))
+            best = max(best, chain, s.made.get(arm, 0.0))
+        return best
 
     def gamma(self, s: StreamState, arm: str, limit: int) -> int:
         """K for this round: a fixed gamma, or for "auto" the K that maximises expected tokens per second from the
@@ -92,7 +127,9 @@ class HostPolicy:
         if s.bandit:
             ref = 1.0 / max(self.costs.plain_step(), 1e-9)
             seconds = self.cost(played.arm, K) if played.out.tree is None else self.tree_cost(played.arm, *played.out.tree)
-            s.bandit.update(played.arm, speed_reward(len(played.emitted) / max(seconds, 1e-9), ref))
+            rate = len(played.emitted) / max(seconds, 1e-9)
+            s.bandit.update(played.arm, speed_reward(rate, ref))
+            s.made[played.arm] = RATE_DECAY * s.made.get(played.arm, rate) + (1 - RATE_DECAY) * rate
             self._score_counterfactuals(s, played, ref)
 
     def learn_acceptance(self, s: StreamState, arm: str, out) -> None:

@@ -128,6 +128,7 @@ class StreamState:
     tree: object = None  # a tree_round.TreeSize: the draft head drafts trees of it (None: chains)
     tree_fit: Calibration = field(default_factory=Calibration)  # tree "auto": accepted over expected nodes so far
     tree_expected: float = 0.0  # the last auto-sized tree's expected accepted nodes, by the head's probabilities
+    made: dict[str, float] = field(default_factory=dict)  # each arm's tokens per second in its recent rounds
 
     def __post_init__(self):
         self.acceptance = {a: Acceptance() for a in self.arms}

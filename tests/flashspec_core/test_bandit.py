@@ -122,3 +122,58 @@ def test_counterfactual_scores_wait_for_the_tokens_that_decide_them():
     assert oracle[0].observations == 0  # round 0 emitted 1 token: the counterfactual is still open
     assert events[1].accepted == tuple(plain[1:7]) and oracle[1].observations == 2 and oracle[1].pulls == 1
     assert oracle[1].mean > 0.5  # the resolved counterfactual scored as 7 tokens for one verify of 7
+
+
+def test_a_tested_copy_arm_plays_its_strong_match_over_the_bandits_choice():
+    """The bandit's means do not see the context: prompt lookup scoring poorly overall still plays a long match that
+    its odds (once tested in the session) rate well above the other arms, and only then; without a match, or with
+    odds never scored, the bandit's choice stands."""
+    from flashspec_core.drafters import match_bucket
+    from flashspec_core.gamma import CostModel
+    from flashspec_core.stream import StreamState
+
+    engine = Engine.from_models(tiny_llama(vocab=50, seed=7, layers=2), ["prompt_lookup"])
+    costs = CostModel()
+    for tokens in (1, 2, 4, 8, 17):
+        costs.observe(tokens, 0.01 * (1 + 0.05 * (tokens - 1)))
+    engine.policy.set_costs(costs)
+    lookup = engine.drafters["prompt_lookup"]
+    text = [3, 17, 4, 9, 22, 8, 30, 11, 5, 41, 12, 6, 7, 2]
+    greedy = SamplingConfig(temperature=0.0)
+
+    def choice(rows, tested):
+        s = StreamState(rows=[rows], sampling=greedy, gamma="auto", mode="speculative", arms=["prompt_lookup", "no_draft"],
+                        max_new_tokens=64, generator=None, bandit=Bandit(["prompt_lookup", "no_draft"]))
+        for _ in range(20):  # the bandit's means: no_draft far ahead
+            s.bandit.update("no_draft", 0.5)
+            s.bandit.update("prompt_lookup", 0.2)
+        lookup.start(s.rows, greedy, None)  # indexes the context; prompt lookup's odds start afresh in a stream
+        for _ in range(tested):  # copies scored in this stream, all accepted
+            lookup.odds.observe(match_bucket(9, False), True)
+        return engine.policy.choose(s)
+
+    assert choice(text + [50 - t for t in range(1, 9)], tested=8) == "no_draft"  # no match: nothing to copy
+    assert choice(text + text[:9], tested=0) == "no_draft"  # a 9-token match, odds never scored
+    assert choice(text + text[:9], tested=8) == "prompt_lookup"  # a 9-token match, odds tested
+
+
+def test_a_copy_must_beat_what_the_drafting_arm_made_when_that_beats_its_acceptances_chain():
+    """A tree round emits more than its arm's per-token acceptance says a chain would: the rival rate that a copy
+    must beat is the better of the two (and plain decoding's rate at least)."""
+    from flashspec_core.gamma import CostModel
+    from flashspec_core.stream import StreamState
+
+    engine = Engine.from_models(tiny_llama(vocab=50, seed=7, layers=2), [])
+    engine.drafters["useless"] = UselessDrafter(engine.target.device, "useless", 50)  # a drafter that is not a copy
+    costs = CostModel()
+    for tokens in (1, 17):
+        costs.observe(tokens, 0.01 * (1 + 0.05 * (tokens - 1)))
+    engine.policy.set_costs(costs)
+    s = StreamState(rows=[[1, 2, 3]], sampling=SamplingConfig(temperature=0.0), gamma="auto", mode="speculative",
+                    arms=["useless", "no_draft"], max_new_tokens=8, generator=None, bandit=Bandit(["useless", "no_draft"]))
+    chain = engine.policy.rival_rate(s)
+    assert chain > 100.0  # acceptance 0.5 (the prior) at its best K beats plain decoding's 100 tokens a second
+    s.made["useless"] = 3 * chain  # what its rounds made
+    assert engine.policy.rival_rate(s) == pytest.approx(3 * chain)
+    s.made["useless"], s.acceptance["useless"].rejected = 1.0, 1e6  # a drafter that never pays
+    assert engine.policy.rival_rate(s) == pytest.approx(100.0)
