@@ -65,7 +65,7 @@ class HostPolicy:
             return None
         rates = {a: self.drafters[a].copy_rate(s.rows[0], self.gamma(s, a, s.max_gamma)) for a in tested}
         best = max(rates, key=rates.get)
-        return best if rates[best] > SURE_COPY * self.rival_rate(s) else None
+        return best if rates[best] and rates[best] > SURE_COPY * self.rival_rate(s) else None  # no copy, no rival
 
     def rival_rate(self, s: StreamState) -> float:
         """Tokens per second the stream's best arm that does not copy can be expected to make: at its best K by its
