@@ -104,10 +104,15 @@ def best_gamma(a: float, draft: DraftCost, costs: CostModel, max_gamma: int) -> 
     """The K in 1..max_gamma that maximises expected tokens per second of a round."""
     if costs.plain_step() <= 0:
         return min(4, max_gamma)
+    return best_chain(a, draft, costs, max_gamma)[0]
 
+
+def best_chain(a: float, draft: DraftCost, costs: CostModel, max_gamma: int) -> tuple[int, float]:
+    """(K, expected tokens per second) of the best chain round for acceptance a, K in 1..max_gamma (costs measured)."""
     forward = costs.curve(max_gamma + 1)  # forward[k] = costs.forward(k + 1), computed once per observation
     rates = [expected_tokens(a, k) / (draft.seconds(k) + forward[k]) for k in range(1, max_gamma + 1)]
-    return 1 + rates.index(max(rates))
+    best = max(rates)
+    return 1 + rates.index(best), best
 
 
 def best_tree_nodes(chances: list[float], costs: CostModel, draft_s: float = 0.0) -> int:

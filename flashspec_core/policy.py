@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from flashspec_core.bandit import speed_reward
 from flashspec_core.drafters import CopyDrafter, Drafter, NoDraft
-from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost, best_gamma, best_tree_nodes, expected_tokens
+from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost, best_chain, best_gamma, best_tree_nodes
 from flashspec_core.stream import Counterfactual, Played, StreamState
 from flashspec_core.tree import DraftTree
 
@@ -75,9 +75,8 @@ class HostPolicy:
         for arm in s.arms:
             if self.drafters[arm].model_free:
                 continue
-            a, draft = s.acceptance[arm].rate, self.draft_costs.get(arm, DraftCost())
-            K = best_gamma(a, draft, self.costs, MAX_AUTO_GAMMA)
-            chain = expected_tokens(a, K) / (draft.seconds(K) + self.costs.forward(K + 1))
+            draft = self.draft_costs.get(arm, DraftCost())
+            chain = best_chain(s.acceptance[arm].rate, draft, self.costs, MAX_AUTO_GAMMA)[1]
             best = max(best, chain, s.made.get(arm, 0.0))
         return best
 
