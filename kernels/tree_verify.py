@@ -60,7 +60,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from kernels.verify import draw_randoms, resolve_backend
+from kernels.verify import argmax, draw_randoms, resolve_backend
 
 _FIX = 2.0**60  # the residual mass is summed in multiples of 2^-60 (int64), exactly, in any order
 _UNFIX = 2.0**-60
@@ -148,7 +148,7 @@ def _greedy_walk_torch(children, draft_tokens, target_probs, D):
     slot = torch.zeros(B, dtype=torch.int64, device=draft_tokens.device)
     num_accepted = torch.zeros_like(slot)
     path = torch.full((B, D), -1, dtype=torch.int64, device=draft_tokens.device)
-    best = target_probs[:, 0].argmax(dim=-1)  # [B] argmax p at each row's current slot
+    best = argmax(target_probs[:, 0])  # [B] argmax p at each row's current slot
     active = torch.ones(B, dtype=torch.bool, device=draft_tokens.device)
     for _ in range(D):
         if not _runs(active):
@@ -162,7 +162,7 @@ def _greedy_walk_torch(children, draft_tokens, target_probs, D):
         num_accepted += found
         slot = torch.where(found, child + 1, slot)
         if _runs(found):
-            best = torch.where(found, target_probs[rows, slot].argmax(dim=-1), best)
+            best = torch.where(found, argmax(target_probs[rows, slot]), best)
         active = found
     return num_accepted, path, best
 
@@ -182,7 +182,7 @@ def _sampled_walk_torch(children, draft_tokens, draft_probs, target_probs, unifo
     num_accepted = torch.zeros_like(slot)
     path = torch.full((B, D), -1, dtype=torch.int64, device=draft_tokens.device)
     p = target_probs[:, 0]  # [B, V] the law the next child is tested against
-    final = (p / noise).argmax(dim=-1)  # stands when the root has no children (N == 0): one bonus draw
+    final = argmax(p / noise)  # stands when the root has no children (N == 0): one bonus draw
     active = torch.ones(B, dtype=torch.bool, device=draft_tokens.device)
     for _ in range(N):  # each step tries a node no earlier step tried, so N steps finish every row
         if not _runs(active):
@@ -211,7 +211,7 @@ def _sampled_walk_torch(children, draft_tokens, draft_probs, target_probs, unifo
         if _runs(leaf | last):
             empty = r.sum(dim=-1, keepdim=True) <= 0  # p == q on the support: fall back to p
             w = torch.where(leaf[:, None], p_child, torch.where(empty, p, r))
-            final = torch.where(leaf | last, (w / noise).argmax(dim=-1), final)
+            final = torch.where(leaf | last, argmax(w / noise), final)
         if _runs(cont):
             mass = _fixed_point_mass(r)
             p = torch.where(cont[:, None] & (mass > 0), r / mass, p)

@@ -19,7 +19,9 @@ from tests.flashspec_core.test_draft_head import tiny_head
 V = 50
 PROMPT = [5, 7, 11, 13, 17, 19, 23, 5, 7, 11, 13, 17]  # prompt lookup has something to copy
 GREEDY, T1 = SamplingConfig(), SamplingConfig(temperature=1.0)
-HOST_READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+# Tensor methods that read a device tensor on the host. Not `numpy`: it raises on a device tensor, so only CPU-only
+# code calls it (`kernels.verify.argmax` takes NumPy's argmax over CPU logits).
+HOST_READS = ("tolist", "item", "cpu", "__int__", "__float__", "__bool__", "__index__")
 
 
 @pytest.fixture(scope="module")

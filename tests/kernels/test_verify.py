@@ -378,13 +378,19 @@ def test_vocabulary_tail_is_reached_and_not_overrun(V, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_argmax_helper_is_torch_argmax_on_ties_and_nans(dtype):
-    """`verify.argmax` (max(dim=-1) on the CPU, faster there) picks what torch.argmax picks: the first of equal
-    maxima, NaN as the maximum, over widths past a vectorised reduction's blocks."""
+    """`verify.argmax` (NumPy's or max(dim=-1) on the CPU, faster there) picks what torch.argmax picks: the first of
+    equal maxima, NaN as the maximum, over widths past a vectorised reduction's blocks, for rows, a single row, a
+    strided view and an inference-mode tensor."""
     g = torch.Generator().manual_seed(5)
     for V in (1, 7, 64, 1000, 49152, 65537):
         x = torch.randint(0, 4, (3, 2, V), generator=g).to(dtype)  # many ties
         x[1, 0, V // 3] = float("nan")
-        assert torch.equal(kv.argmax(x), x.argmax(dim=-1)), V
+        for view in (x, x[1, 0], x[:, :, ::2], x.transpose(0, 1)):
+            out = kv.argmax(view)
+            assert torch.equal(out, view.argmax(dim=-1)) and out.dtype == torch.int64, V
+    with torch.inference_mode():
+        y = torch.randn(2, 300, generator=g).to(dtype)
+        assert torch.equal(kv.argmax(y), y.argmax(dim=-1))
 
 
 @pytest.mark.parametrize("tied", [(15000, 3000, 11192), (9000, 5000, 13192)])
