@@ -523,6 +523,8 @@ class DraftModel(Drafter):
 # A sampled draft token x is accepted with chance ~ c0 + c1 q(x) (least squares over draws from q: the shipped head on
 # 30 of its generator's held-out prompts, `python -m benchmarks.head --sets heldout --heldout 30 --online-k ''`:
 # 0.383 + 0.523 q(x) at temperature 1, 0.324 + 0.543 q(x) at 0.7; q(x) alone reads 0.23 where 0.51 are accepted).
+# One line for every head: the heads trained since fit 0.352-0.377 + 0.472-0.548 q(x) on the 66 hand-written prompts
+# at temperature 1 (the shipped one 0.375 + 0.496 q(x); `head_embedded_cpu_{slots,s46,s49,s51,s52}.json`).
 SAMPLED_ACCEPTANCE = (0.35, 0.55)
 CATCH_UP = 16  # verified slots that wait before the draft head's first pass runs over them (DraftHeadDrafter)
 
