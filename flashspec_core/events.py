@@ -76,11 +76,19 @@ class EventBuilder:
         if self.tokenizer is None:
             return [""] * (len(accepted) + len(rejected) + len(final))
 
+        decoded = {}  # each prefix decoded once: the accepted run ends where the rejected and final runs begin
+
+        def text(ids):
+            key = tuple(ids)
+            if key not in decoded:
+                decoded[key] = self.tokenizer.decode(ids)
+            return decoded[key]
+
         def run(prefix, new):
-            out, prev = [], self.tokenizer.decode(prefix)
+            out, prev = [], text(prefix) if new else ""
             for t in new:
                 prefix = prefix + [t]
-                cur = self.tokenizer.decode(prefix)
+                cur = text(prefix)
                 out.append(cur[len(prev):] if cur.startswith(prev) else self.tokenizer.decode([t]))
                 prev = cur
             return out
