@@ -31,6 +31,10 @@ class HostPolicy:
             if d.sets_length:
                 d.costs = self.costs  # such a drafter sizes its drafts from this machine's measured costs
 
+    def draft_cost(self, arm: str) -> DraftCost:
+        """An arm's measured drafting seconds (none measured yet: free)."""
+        return self.draft_costs.get(arm, DraftCost())
+
     @property
     def calibrated(self) -> bool:
         return bool(self.costs.seconds)
@@ -75,8 +79,7 @@ class HostPolicy:
         for arm in s.arms:
             if self.drafters[arm].model_free:
                 continue
-            draft = self.draft_costs.get(arm, DraftCost())
-            chain = best_chain(s.acceptance[arm].rate, draft, self.costs, MAX_AUTO_GAMMA)[1]
+            chain = best_chain(s.acceptance[arm].rate, self.draft_cost(arm), self.costs, MAX_AUTO_GAMMA)[1]
             best = max(best, chain, s.made.get(arm, 0.0))
         return best
 
@@ -87,7 +90,7 @@ class HostPolicy:
         gamma = s.gamma
         if gamma == "auto":
             drafter = self.drafters[arm]
-            gamma = MAX_AUTO_GAMMA if drafter.sets_length else best_gamma(s.acceptance[arm].rate, self.draft_costs[arm],
+            gamma = MAX_AUTO_GAMMA if drafter.sets_length else best_gamma(s.acceptance[arm].rate, self.draft_cost(arm),
                                                                          self.costs, MAX_AUTO_GAMMA)
         return max(0, min(gamma, limit))
 
@@ -100,7 +103,7 @@ class HostPolicy:
         if not shape.auto:
             return shape, None
         if self.calibrated:
-            depth = best_gamma(s.acceptance[arm].rate, self.draft_costs.get(arm, DraftCost()), self.costs, shape.depth)
+            depth = best_gamma(s.acceptance[arm].rate, self.draft_cost(arm), self.costs, shape.depth)
             shape = replace(shape, depth=min(shape.depth, depth))
         if s.sampling.greedy:
             return shape, lambda scores: self.tree_nodes(s, arm, shape.depth, scores)
@@ -113,7 +116,7 @@ class HostPolicy:
         this stream's calibration of the head (`StreamState.tree_fit`)."""
         chances = [math.exp(x) for x in scores]
         n = best_tree_nodes([min(1.0, s.tree_fit.ratio * c) for c in chances], self.costs,
-                            self.draft_costs.get(arm, DraftCost()).seconds(depth))
+                            self.draft_cost(arm).seconds(depth))
         s.tree_expected = sum(chances[:n])
         return n
 
@@ -180,8 +183,8 @@ class HostPolicy:
     def tree_cost(self, arm: str, nodes: int, depth: int) -> float:
         """A tree round's seconds as calibrated: a draft step per level (each level's step runs over several nodes
         at once, which this counts as one) and a target forward over the tree's nodes + 1."""
-        return self.draft_costs[arm].seconds(depth) + self.costs.forward(nodes + 1)
+        return self.draft_cost(arm).seconds(depth) + self.costs.forward(nodes + 1)
 
     def cost(self, arm: str, K: int) -> float:
         """A round's seconds as calibrated: the arm drafting K tokens and a target forward over K + 1 tokens."""
-        return self.draft_costs[arm].seconds(K) + self.costs.forward(K + 1)
+        return self.draft_cost(arm).seconds(K) + self.costs.forward(K + 1)
