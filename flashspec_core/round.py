@@ -544,9 +544,8 @@ class DeviceRound:
 
     def draft_cost(self, rows: list[list[int]], drafter: Drafter, reps: int, k: int = 4) -> DraftCost:
         """A drafter's propose time after `rows` from rounds of 1 and of k tokens, alternating (the fastest of `reps`
-        each): per token the difference over the difference in tokens the two rounds drafted (a drafter may draft
-        fewer than asked), per round the rest (for the draft head: its first pass over the slots the last round
-        verified, which wait for a draft; none inside a captured round). On a captured
+        each): per token the difference over k - 1, per round the rest (for the draft head: its first pass over
+        the slots the last round verified, which wait for a draft; none inside a captured round). On a captured
         round a drafter that reads the host's rows also waits for the round before it to land, which rounds
         launched ahead (`on_device`) never do: per round it pays too what a round's landing takes past its
         device time (the fastest of its rounds)."""
@@ -555,18 +554,17 @@ class DeviceRound:
         self.start(row, greedy, generator, len(row[0]) + (reps + 1) * 2 * (MAX_AUTO_GAMMA + 1), MAX_AUTO_GAMMA)
         if self.captured is not None and drafter is self.captured.head:
             return DraftCost(per_token=self._captured_draft_step(k, reps))
-        best, landing = {1: (float("inf"), 1), k: (float("inf"), k)}, float("inf")  # K: (seconds, tokens drafted)
+        best, landing = {1: float("inf"), k: float("inf")}, float("inf")
         for rep in range(reps + 1):  # the first pair warms up (and its first round finds nothing waiting)
             for K in best:
                 out = self.land(row, self.launch(row, drafter, K, greedy, generator), first=drafter)
                 self.settle()  # as a stream lands it: the drafter learns first, the others once it has drafted again
-                best[K] = min(best[K], (out.draft_s, len(out.draft))) if rep else best[K]
+                best[K] = min(best[K], out.draft_s) if rep else best[K]
                 if rep and out.device_s is not None:
                     landing = min(landing, out.verify_s - out.device_s)
-        (t1, n1), (tk, nk) = best[1], best[k]  # a drafter may draft fewer than K (a copy's match, the head's own cut)
-        per_token = max(0.0, (tk - t1) / (nk - n1)) if nk > n1 else 0.0
+        per_token = max(0.0, (best[k] - best[1]) / (k - 1))
         waits = max(0.0, landing) if self.captured is not None and landing < float("inf") else 0.0
-        return DraftCost(per_token=per_token, per_round=max(0.0, t1 - per_token * n1) + waits)
+        return DraftCost(per_token=per_token, per_round=max(0.0, best[1] - per_token) + waits)
 
     def _captured_draft_step(self, k: int, reps: int) -> float:
         """The head's seconds per drafted token inside a captured round: a round where it drafts k tokens less one
