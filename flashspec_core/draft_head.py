@@ -14,7 +14,10 @@ Checkpoint layout (EAGLE-3, as in vLLM's `Eagle3LlamaForCausalLM` / SGLang's `Ll
 `midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight` [draft V, H], `d2t` [draft V]
 (target id = draft id + d2t[draft id]) and `t2d` [V] (bool: in the draft vocabulary); no `embed_tokens`
 (the target's is shared). Aux layer ids follow vLLM: id i = the residual stream entering decoder layer i,
-i.e. Hugging Face's `hidden_states[i]`.
+i.e. Hugging Face's `hidden_states[i]`. The shipped folder leaves `lm_head.weight` out where it is the target's
+embedding rows of the draft ids (frozen in training: 85% of the file for a whole-vocabulary head); `load_head`
+rebuilds it bit for bit, and `python -m flashspec_core.draft_head export OUT` writes the whole file those engines
+load.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from kernels import layer_ops
 
 CONFIG_FILE, WEIGHTS_FILE, CARD_FILE = "config.json", "model.safetensors", "card.json"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+LM_HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True)
@@ -147,7 +151,7 @@ class DraftHead(nn.Module):
             raise ValueError(f"need {self.cfg.draft_vocab_size} distinct draft ids, got {ids.numel()}")
         self.unpack()
         with torch.no_grad():
-            self.lm_head.weight.copy_(self.embed[ids.to(self.embed.device)].to(self.lm_head.weight))
+            self.lm_head.weight.copy_(embedding_rows(self.embed, ids, self.lm_head.weight.dtype))
             self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
             self.t2d.zero_()
             self.t2d[ids] = True
@@ -505,19 +509,28 @@ def eagle3_config(cfg: HeadConfig) -> dict:
     }
 
 
-def save_head(head: DraftHead, folder: Path, card: dict | None = None, dtype=torch.bfloat16) -> Path:
-    """Write config.json, model.safetensors (EAGLE-3 names, float weights in `dtype`) and card.json."""
+def save_head(head: DraftHead, folder: Path, card: dict | None = None, dtype=torch.bfloat16, full: bool = False) -> Path:
+    """Write config.json, model.safetensors (EAGLE-3 names, float weights in `dtype`) and card.json. full=False leaves
+    `lm_head.weight` out where it equals the target's embedding rows of the draft ids in `dtype` (`load_head`
+    rebuilds them); full=True writes it always (the file vLLM and SGLang load)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous().cpu()
                for n, t in head.state_dict().items()}
+    if not full and torch.equal(tensors[LM_HEAD], embedding_rows(head.embed, head.draft_ids, dtype).cpu()):
+        del tensors[LM_HEAD]
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(eagle3_config(head.cfg), indent=2) + "\n")
     if card is not None:
         (folder / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
     return folder
+
+
+def embedding_rows(embed: torch.Tensor, draft_ids: torch.Tensor, dtype) -> torch.Tensor:
+    """The output layer a head gets from the target: the embedding's rows of its draft ids, rounded to `dtype`."""
+    return embed.detach()[draft_ids.to(embed.device)].to(dtype)
 
 
 class HeadMismatchError(ValueError):
@@ -548,6 +561,11 @@ def load_head(folder: Path, target_config, embed: torch.Tensor, device=None, dty
                                 f"{expected}")
     head = DraftHead(cfg, embed)
     missing, unexpected = head.load_state_dict(weights, strict=False)
+    if missing == [LM_HEAD] and "d2t" in weights:  # left out by `save_head`: the embedding's rows, as saved
+        stored = next(t.dtype for t in weights.values() if t.is_floating_point())
+        with torch.no_grad():
+            head.lm_head.weight.copy_(embedding_rows(embed, head.draft_ids, stored))
+        missing = []
     if missing or unexpected:
         raise HeadMismatchError(f"draft head in {folder.name}/ does not match its config: missing {missing[:3]}, "
                                 f"unexpected {unexpected[:3]}")
@@ -555,3 +573,30 @@ def load_head(folder: Path, target_config, embed: torch.Tensor, device=None, dty
     head = head.to(device=device or embed.device, dtype=dtype).eval()
     head.inv_freq = inv_freq.to(head.inv_freq.device)
     return head
+
+
+def export(out: Path, target: str = "embedded", folder: Path | None = None) -> Path:
+    """The shipped head of `target` (or the head in `folder`) as the whole EAGLE-3 file, lm_head included: the folder
+    vLLM and SGLang load beside the target."""
+    from flashspec_core.engine import HEADS
+    from flashspec_core.models import load_model
+
+    folder = Path(folder or HEADS[target].folder)
+    model, _ = load_model(target, torch.device("cpu"), torch.float32)
+    head = load_head(folder, model.config, model.get_input_embeddings().weight)
+    card = json.loads((folder / CARD_FILE).read_text()) if (folder / CARD_FILE).exists() else None
+    return save_head(head, out, card, full=True)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m flashspec_core.draft_head",
+                                 description="export OUT: the shipped draft head as the whole EAGLE-3 file (lm_head "
+                                             "included) that vLLM and SGLang load")
+    ap.add_argument("command", choices=["export"])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--target", default="embedded")
+    ap.add_argument("--head", type=Path, default=None, help="a head folder for that target (default: the shipped one)")
+    args = ap.parse_args()
+    print(export(args.out, args.target, args.head))

@@ -524,7 +524,7 @@ def load_corpus(folder: Path, name: str = "corpus") -> Corpus:
 
 
 def export(head: DraftHead, meta: dict, out: Path) -> Path:
-    """The shipped folder: EAGLE-3 config and bfloat16 weights (lm_head included), and the card. The head drafts at
+    """The shipped folder: EAGLE-3 config and bfloat16 weights (lm_head left out: `save_head`), and the card. The head drafts at
     the draft temperature that did best at temperature 1 in the last held-out evaluation (`fitted_temperature`)."""
     card = {"what": "EAGLE-3 style draft head for " + meta["target"], **{k: meta[k] for k in (
         "recipe", "sizes", "data", "init", "seconds", "train", "steps", "seed", "hardware", "heldout", "curve", "versions")

