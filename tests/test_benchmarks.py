@@ -30,6 +30,8 @@ RUNS = {  # benchmark module -> (its command line, {out} the results folder; a f
     "start_profile": (["--prompts", "1"], "start_profile_cpu_gguf.json"),
     "host_round": (["--streams", "1", "--max-new-tokens", "8"], "host_round_cpu.json"),
     "drafters": (["--rounds", "3"], "drafters_cpu.json"),
+    "copy_ceiling": (["--only", "document QA", "--max-new-tokens", "8", "--ks", "4", "--tag", "smoke"],
+                     "copy_ceiling_cpu_gguf_examples_smoke.json"),
     "app_overhead": (["--reps", "1", "--max-new-tokens", "8"], "app_overhead.json"),
     "warm_restart": (["--minutes", "0.05", "--max-new-tokens", "8", "--steps", "2", "--eval", "1", "--recipes",
                       "3e-4/60/0", "1e-4/1/1", "--heldout-batches", "1"], "warm_restart_cpu.json"),
@@ -78,3 +80,14 @@ def test_a_long_round_is_listed_with_its_device_time_and_gc_passes_are_counted()
     assert row["gc"]["passes"][2] >= 1 and row["gc"]["max_ms"] > 0
     assert long_note(row).startswith("  long rounds (ms): #4 10.0 (device 1.5)")
     assert round_times(events[:4])["long_rounds"] == []  # even rounds: none listed
+
+
+def test_the_oracle_copies_the_longest_run_found_so_far_and_a_drafter_no_more():
+    from benchmarks.copy_ceiling import drafter_tokens_per_forward, oracle_tokens_per_forward
+    from flashspec_core.drafters import PromptLookup
+
+    context, answer = [5, 1, 2, 3, 4, 6], [1, 2, 3, 4, 9, 1, 2, 3, 4, 9]
+    assert oracle_tokens_per_forward(context, answer, 8) == 5.0  # 1 2 3 4 from the prompt, then all five again
+    assert oracle_tokens_per_forward(context, answer, 2) == 2.5  # 1 2 +3 | 4 +9 | 1 2 +3 | 4 9 +end
+    assert oracle_tokens_per_forward([7], answer, 8) == 10 / 6  # five rounds of one token, then the repeat in one
+    assert 1.0 <= drafter_tokens_per_forward(PromptLookup(), context, answer, 8) <= 5.0
