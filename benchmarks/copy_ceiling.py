@@ -96,8 +96,9 @@ def main(argv=None) -> int:
         w.writeheader()
         w.writerows(rows)
     cols = [k for k in rows[0] if k not in ("prompt", "kind", "tokens")]
-    print(f"\n{payload['env']['machine']}, precision {engine.precision}, commit {payload['env']['commit']}: tokens per "
-          "target forward on plain decoding's greedy answer\n")
+    env = payload["env"]
+    print(f"\n{env['cuda'] or env['machine']}, precision {engine.precision}, commit {env['commit']}: tokens per target "
+          "forward on plain decoding's greedy answer\n")
     print("| prompt | tokens | " + " | ".join(cols) + " |")
     print("|---|---:|" + "---:|" * len(cols))
     for r in rows:
