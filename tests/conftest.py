@@ -1,5 +1,6 @@
 """Shared fixtures: the embedded engine (loaded once per session) and tiny random Llama pairs."""
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -49,3 +50,29 @@ def tiny_llama(vocab: int = 6, seed: int = 0, sharpness: float = 1.0, layers: in
             p.normal_(0, 0.5)
         model.lm_head.weight.mul_(sharpness)
     return model
+
+
+@contextmanager
+def fixed_costs(engine, step_ms: float, slope: float, head_ms: tuple[float, float], copy_ms: float):
+    """Within the block, costs as if `Engine.calibrate` had measured them (it then measures nothing): a forward over T
+    tokens step_ms * (1 + slope * (T - 1)), the draft head head_ms[0] a round + head_ms[1] a token, a copy drafter
+    copy_ms a token. What a stream plays (arms, K, where the head ends a chain) then follows from its tokens, not from
+    timings of a loaded machine; the engine's own costs come back after the block."""
+    from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost
+
+    policy = engine.policy
+    saved_costs, saved_drafts = policy.costs, dict(policy.draft_costs)
+    costs = CostModel(decay=0.0)
+    for T in range(1, MAX_AUTO_GAMMA + 2):
+        costs.observe(T, 1e-3 * step_ms * (1 + slope * (T - 1)))
+    policy.set_costs(costs)
+    for name in engine.drafters:
+        cost = DraftCost(1e-3 * head_ms[1], 1e-3 * head_ms[0]) if name == "draft_head" else DraftCost(1e-3 * copy_ms)
+        policy.set_draft_cost(name, cost)
+    try:
+        yield
+    finally:
+        policy.set_costs(saved_costs)
+        policy.draft_costs = saved_drafts
+        for name, cost in saved_drafts.items():
+            policy.set_draft_cost(name, cost)

@@ -7,11 +7,10 @@ import torch
 
 from flashspec_core import Engine, SamplingConfig
 from flashspec_core.captured import Shape
-from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost
 from flashspec_core.sampling import logits_to_probs, logits_to_probs_at, sampling_params
 from flashspec_core.tree_round import TreeSize
 from kernels.tree_level import copy_graft_triton
-from tests.conftest import tiny_llama
+from tests.conftest import fixed_costs, tiny_llama
 from tests.flashspec_core.test_distribution import PROMPT as LAW_PROMPT
 from tests.flashspec_core.test_distribution import CRITICAL, N, V, chi2, exact_laws, first_two_tokens
 from tests.flashspec_core.test_round import GREEDY, PROMPT, T1, fresh_round
@@ -292,38 +291,26 @@ def test_the_heads_first_pass_over_a_prompt_in_pieces_leaves_its_own_state(tiny)
     assert engine.generate(prompt, 32, drafters=["draft_head"], gamma=3).token_ids == plain
 
 
-def fix_costs(engine: Engine) -> None:
-    """Costs as if measured (`Engine.calibrate` then measures nothing): a forward over T tokens 1 + 0.1 (T - 1) ms, the
-    head 0.1 ms a round and 0.2 a token, a copy 0.02 ms a token; so the arms a stream plays follow from its tokens,
-    not from this machine's timings of a tiny model (which once left a stream with no head round)."""
-    costs = CostModel(decay=0.0)
-    for T in range(1, MAX_AUTO_GAMMA + 2):
-        costs.observe(T, 1e-3 * (1 + 0.1 * (T - 1)))
-    engine.policy.set_costs(costs)
-    for name in engine.drafters:
-        engine.policy.set_draft_cost(name, DraftCost(2e-4, 1e-4) if name == "draft_head" else DraftCost(2e-5))
-
-
 def test_every_shape_a_stream_runs_is_listed(tiny):
     """`shapes` (what a stream captures before it starts) covers every round the stream then runs."""
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch", captured="eager")
-    fix_costs(engine)
     ran = []
-    for sampling in (GREEDY, T1, SAMPLINGS["topk_topp"]):
-        engine.generate(PROMPT, 2)  # builds the captured round
-        c = engine.round.captured
-        original = c.run
-        c.run = lambda shape: ran.append(shape) or original(shape)
-        engine.generate(PROMPT, 60, sampling=sampling, gamma="auto")
-        listed = set(engine.round.shapes(sampling, len(PROMPT) + 60 + 17, 16))
-        assert ran and set(ran) <= listed, set(ran) - listed
-        rounds = [s for s in ran if isinstance(s, Shape)]  # not the head's passes over the prompt
-        assert any(s.head for s in rounds) and any(not s.head and s.K for s in rounds)
-        assert any(s.K == 0 for s in rounds)
-        assert {s.truncates for s in rounds} == {sampling.truncates}  # the graph its sampling needs
-        ran.clear()
-        c.run = original
+    with fixed_costs(engine, step_ms=1.0, slope=0.1, head_ms=(0.1, 0.2), copy_ms=0.02):  # not a tiny model's timings
+        for sampling in (GREEDY, T1, SAMPLINGS["topk_topp"]):
+            engine.generate(PROMPT, 2)  # builds the captured round
+            c = engine.round.captured
+            original = c.run
+            c.run = lambda shape: ran.append(shape) or original(shape)
+            engine.generate(PROMPT, 60, sampling=sampling, gamma="auto")
+            listed = set(engine.round.shapes(sampling, len(PROMPT) + 60 + 17, 16))
+            assert ran and set(ran) <= listed, set(ran) - listed
+            rounds = [s for s in ran if isinstance(s, Shape)]  # not the head's passes over the prompt
+            assert any(s.head for s in rounds) and any(not s.head and s.K for s in rounds)
+            assert any(s.K == 0 for s in rounds)
+            assert {s.truncates for s in rounds} == {sampling.truncates}  # the graph its sampling needs
+            ran.clear()
+            c.run = original
 
 
 TREES = {"d3k2s4": (3, 2, 4), "d4k2s10": (4, 2, 10), "d6k4s16": (6, 4, 16), "d2k4s3": (2, 4, 3)}
