@@ -83,10 +83,13 @@ def main(argv=None) -> int:
         answer = engine.generate(p["prompt"], args.max_new_tokens or p["max_new_tokens"], mode="plain").token_ids
         row = {"prompt": p.get("name", p["kind"]), "kind": p["kind"], "tokens": len(answer)}
         row |= {f"oracle_K{K}": oracle_tokens_per_forward(context, answer, K) for K in args.ks}
-        row |= {f"{d.name}_K16": drafter_tokens_per_forward(d, context, answer, 16) for d in (PromptLookup(), NgramCache())}
+        row |= {f"{d.name}_K16": drafter_tokens_per_forward(d, context, answer, 16)
+                for d in (PromptLookup(), NgramCache())}
         rows.append(row)
-        print("  " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-    name = f"copy_ceiling_{engine.target.device.type}_{engine.precision}_{args.prompt_set}{'_' + args.tag if args.tag else ''}"
+        print("  " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+              flush=True)
+    tag = "_" + args.tag if args.tag else ""
+    name = f"copy_ceiling_{engine.target.device.type}_{engine.precision}_{args.prompt_set}{tag}"
     payload = {"command": "python -m benchmarks.copy_ceiling " + " ".join(sys.argv[1:] if argv is None else argv),
                "env": environment(), "precision": engine.precision, "rows": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -509,7 +509,8 @@ def eagle3_config(cfg: HeadConfig) -> dict:
     }
 
 
-def save_head(head: DraftHead, folder: Path, card: dict | None = None, dtype=torch.bfloat16, full: bool = False) -> Path:
+def save_head(head: DraftHead, folder: Path, card: dict | None = None, dtype=torch.bfloat16,
+              full: bool = False) -> Path:
     """Write config.json, model.safetensors (EAGLE-3 names, float weights in `dtype`) and card.json. full=False leaves
     `lm_head.weight` out where it equals the target's embedding rows of the draft ids in `dtype` (`load_head`
     rebuilds them); full=True writes it always (the file vLLM and SGLang load)."""
@@ -561,7 +562,7 @@ def load_head(folder: Path, target_config, embed: torch.Tensor, device=None, dty
                                 f"{expected}")
     head = DraftHead(cfg, embed)
     missing, unexpected = head.load_state_dict(weights, strict=False)
-    if missing == [LM_HEAD] and "d2t" in weights:  # left out by `save_head`: the embedding's rows, as saved
+    if missing == [LM_HEAD]:  # left out by `save_head`: the embedding's rows, as saved
         stored = next(t.dtype for t in weights.values() if t.is_floating_point())
         with torch.no_grad():
             head.lm_head.weight.copy_(embedding_rows(embed, head.draft_ids, stored))
@@ -575,7 +576,7 @@ def load_head(folder: Path, target_config, embed: torch.Tensor, device=None, dty
     return head
 
 
-def export(out: Path, target: str = "embedded", folder: Path | None = None) -> Path:
+def export_eagle3(out: Path, target: str = "embedded", folder: Path | None = None) -> Path:
     """The shipped head of `target` (or the head in `folder`) as the whole EAGLE-3 file, lm_head included: the folder
     vLLM and SGLang load beside the target."""
     from flashspec_core.engine import HEADS
@@ -599,4 +600,4 @@ if __name__ == "__main__":
     ap.add_argument("--target", default="embedded")
     ap.add_argument("--head", type=Path, default=None, help="a head folder for that target (default: the shipped one)")
     args = ap.parse_args()
-    print(export(args.out, args.target, args.head))
+    print(export_eagle3(args.out, args.target, args.head))

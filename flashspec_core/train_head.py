@@ -524,8 +524,9 @@ def load_corpus(folder: Path, name: str = "corpus") -> Corpus:
 
 
 def export(head: DraftHead, meta: dict, out: Path) -> Path:
-    """The shipped folder: EAGLE-3 config and bfloat16 weights (lm_head left out: `save_head`), and the card. The head drafts at
-    the draft temperature that did best at temperature 1 in the last held-out evaluation (`fitted_temperature`)."""
+    """The shipped folder: EAGLE-3 config and bfloat16 weights (lm_head left out: `save_head`), and the card. The head
+    drafts at the draft temperature that did best at temperature 1 in the last held-out evaluation
+    (`fitted_temperature`)."""
     card = {"what": "EAGLE-3 style draft head for " + meta["target"], **{k: meta[k] for k in (
         "recipe", "sizes", "data", "init", "seconds", "train", "steps", "seed", "hardware", "heldout", "curve", "versions")
         if k in meta}}

