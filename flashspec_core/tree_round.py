@@ -196,8 +196,9 @@ def _accept(rows: list[list[int]], host: list[list[float]], D: int):
     counts = [int(r[0]) for r in host[:B]]
     tokens = [[int(t) for t in r[1:D + 2]] for r in host[:B]]
     paths = [[int(x) for x in r[D + 2:2 * D + 2]] for r in host[:B]]
+    n = min(counts)
     for row, toks in zip(rows, tokens):
-        row.extend(toks[:min(counts) + 1])
+        row.extend(toks[:n + 1])
     return counts, tokens, paths
 
 
