@@ -85,7 +85,8 @@ def wire_events(ui: dict, zero_gpu: bool = False) -> None:
          ["runs_table", "download_csv", "download_json", "state", "status", "replay_pick"])
     wire(ui["example"].change, handlers.pick_example, ui, ["example"], ["prompt", "max_new_tokens"])
     for prefix, handler in (("", handlers.pick_pair), ("a_", handlers.pick_pair_a), ("b_", handlers.pick_pair_b)):
-        wire(ui[prefix + "pair"].change, handler, ui, [prefix + "pair"], [prefix + "custom_row", prefix + "roles"])
+        wire(ui[prefix + "pair"].change, handler, ui, [prefix + "pair"],
+             [prefix + name for name in ("custom_row", "roles", "shape")])
     wire_replay(ui)
 
 

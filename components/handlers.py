@@ -27,8 +27,8 @@ from components.prompt import READY, example_by_name, load_examples
 from components.race import WAITING, race_summary, same_tokens, speedup, tokens_over_time_figure, why_different
 from components.runs import DOWNLOADS, Run, run_record, runs_frame
 from components.session import ExportRefused, Session
-from components.settings import (CUSTOM, LEGS, RunSettings, arm_names, parse_leg, parse_prompt, parse_settings,
-                                 resolve_pair, role_choices)
+from components.settings import (CUSTOM, LEGS, RunSettings, arm_names, default_shape, parse_leg, parse_prompt,
+                                 parse_settings, resolve_pair, role_choices)
 from components.tokens import EMPTY, stats_markdown, tokens_html
 
 log = logging.getLogger(__name__)
@@ -287,15 +287,16 @@ def pick_example(example) -> dict:
 
 
 def pair_updates(pair, prefix: str = "") -> dict:
-    """Show the free-text ids for a custom pair; offer the drafters the pair has, all ticked. An unknown pair (only
-    an API caller can send one) gets a short error."""
+    """Show the free-text ids for a custom pair; offer the drafters the pair has, all ticked, and its starting draft
+    shape (`default_shape`). An unknown pair (only an API caller can send one) gets a short error."""
     try:
         spec = None if pair == CUSTOM else resolve_pair(pair)
     except ValueError as e:
         raise gr.Error(str(e)[:300], print_exception=False) from None
     choices = role_choices(spec)
     return {prefix + "custom_row": gr.update(visible=spec is None),
-            prefix + "roles": gr.update(choices=choices, value=[value for _, value in choices])}
+            prefix + "roles": gr.update(choices=choices, value=[value for _, value in choices]),
+            prefix + "shape": gr.update(value=default_shape(spec))}
 
 
 def pick_pair(pair) -> dict:

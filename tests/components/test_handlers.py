@@ -11,7 +11,7 @@ from components import handlers
 from components.handlers import (error_message, pick_example, pick_pair, pick_pair_b, run_race, run_stream,
                                  show_rejected)
 from components.session import Session
-from components.settings import DRAFT_SHAPES, parse_settings
+from components.settings import DRAFT_SHAPES, default_shape, parse_settings, resolve_pair
 from flashspec_core import ModelUnavailableError
 
 SETTINGS = dict(pair="embedded", target="", draft="", roles=["prompt_lookup", "ngram_cache"], gamma_auto=False,
@@ -264,7 +264,8 @@ def test_pickers():
     embedded = pick_pair("embedded")
     assert not embedded["custom_row"]["visible"] and embedded["roles"]["value"] == ["draft_head", "prompt_lookup", "ngram_cache"]
     b = pick_pair_b("smollm2-1.7b")
-    assert set(b) == {"b_custom_row", "b_roles"}
+    assert set(b) == {"b_custom_row", "b_roles", "b_shape"} and b["b_shape"]["value"] == "chain"  # no head: chains
+    assert embedded["shape"]["value"] == default_shape(resolve_pair("embedded"))
     assert b["b_roles"]["choices"][0] == ("draft model (SmolLM2-135M-Instruct)", "draft_model")
     assert pick_example(None) == {}
     for bad in (["not", "a", "pair"], None):  # only an API caller sends these: a short error, no traceback

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from components.settings import (CUSTOM, DRAFT_MODEL, DRAFT_SHAPES, MAX_UI_GAMMA, PairSpec, arm_names, backend_choices,
-                                 pair_choices, parse_gamma, parse_leg, parse_settings, resolve_pair, role_choices)
+from components.settings import (CUSTOM, DRAFT_MODEL, DRAFT_SHAPES, GPU_SHAPE, MAX_UI_GAMMA, PairSpec, arm_names,
+                                 backend_choices, default_shape, pair_choices, parse_gamma, parse_leg, parse_settings,
+                                 resolve_pair, role_choices)
 from flashspec_core import PRESETS
 from flashspec_core.models import LoadPolicy
 from kernels import triton_available
@@ -156,6 +157,16 @@ def test_draft_shape_chain_or_a_tree_for_the_draft_head():
 def test_bad_draft_shapes_are_refused(shape, message):
     with pytest.raises(ValueError, match=message):
         parse_settings(**{**GOOD, "roles": ["draft_head"], "shape": shape})
+
+
+def test_a_pair_with_the_head_starts_with_a_tree_on_a_gpu_and_chains_on_a_cpu():
+    embedded, custom = resolve_pair("embedded"), None
+    assert default_shape(embedded, "cuda") == GPU_SHAPE and DRAFT_SHAPES[GPU_SHAPE] is not None
+    assert default_shape(embedded, torch.device("cuda", 0)) == GPU_SHAPE
+    assert default_shape(embedded, "cpu") == "chain"
+    assert default_shape(resolve_pair("smollm2-1.7b"), "cuda") == "chain"  # a draft model's pair: no head, no tree
+    assert default_shape(custom, "cuda") == "chain"
+    parse_settings(**{**GOOD, "roles": ["draft_head"], "shape": default_shape(embedded, "cuda")})  # a valid choice
 
 
 def test_a_tree_needs_the_draft_head():
