@@ -33,7 +33,7 @@ from statistics import median
 import torch
 
 from flashspec_core import Engine, SamplingConfig
-from flashspec_core.drafters import DraftHeadDrafter
+from flashspec_core.drafters import CopyDrafter, DraftHeadDrafter
 from flashspec_core.tree_round import TreeSize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -261,6 +261,8 @@ def parse_args(argv=None):
                     "frequent ids (0: all of them; default: the shipped head's, engine.HEADS)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="the engine rows' sampling temperature (0: greedy); the Hugging Face rows stay greedy")
+    ap.add_argument("--aligned-copies", default=None, choices=["on", "off"], help="the copy drafters' aligned "
+                    "copies where the last token broke a copy (default: the drafters' own, CopyDrafter.aligns)")
     args = ap.parse_args(argv)
     if args.head_catch_up is not None and args.head_catch_up < 1:
         ap.error(f"--head-catch-up must be at least 1, got {args.head_catch_up}")
@@ -342,6 +344,10 @@ def main(argv=None) -> int:
                                 captured=args.captured)
     engine.launch_ahead = args.launch_ahead == "on"
     heads = [d for d in engine.drafters.values() if isinstance(d, DraftHeadDrafter)]
+    copiers = [d for d in engine.drafters.values() if isinstance(d, CopyDrafter)]
+    for d in copiers if args.aligned_copies else ():
+        d.aligns = args.aligned_copies == "on"
+    args.aligned_copies = copiers[0].aligns if copiers else None
     for d in heads if args.head_catch_up else ():  # before the warm-up: it sets which graphs other arms' rounds take
         d.catch_up_slots = args.head_catch_up
     for d in heads if args.head_vocab is not None else ():
@@ -413,7 +419,7 @@ def write_results(engine: Engine, rows: list[dict], peers: dict, args, argv) -> 
     env.update(dtype=str(next(engine.target.model.parameters()).dtype), paths=paths(engine),
                precision=engine.precision, peers={k: v["version"] for k, v in peers.items()}, repeats=args.repeats,
                rounds=args.rounds, temperature=args.temperature, captured=args.captured, launch_ahead=args.launch_ahead, warm_up_s=args.warm_up_s,
-               head_catch_up=args.catch_up, head_vocab=args.head_vocab,
+               head_catch_up=args.catch_up, head_vocab=args.head_vocab, aligned_copies=args.aligned_copies,
                eager_rounds=getattr(engine.round.captured, "eager_rounds", None), calibration=calibration(engine))
     payload = {"command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv), "preset": args.preset,
                "seed": args.seed, "gamma": args.gamma, "env": env, "rows": [stored(r) for r in rows]}

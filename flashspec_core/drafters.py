@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -171,13 +172,14 @@ class SuffixIndex:
         self.last: list[int] = [-1]  # where each node's string most recently ended in the stream
         self.prev: list[int] = [-1]  # where it ended before that (-1: nowhere)
         self.active: list[int] = []  # nodes of the stream's suffixes of length 1, 2, ... (at most depth)
+        self.before: list[int] = []  # `active` as it was before the last token
 
     def extend(self, tokens) -> None:
         kids, last, prev, stream = self.kids, self.last, self.prev, self.stream
         for t in tokens:
             i = len(stream)
             stream.append(t)
-            grown = []
+            grown, self.before = [], self.active
             for node in (0, *self.active[:self.depth - 1]):  # each suffix, the empty one included, grows by t
                 child = kids[node].get(t)
                 if child is None:
@@ -195,7 +197,7 @@ class SuffixIndex:
             self.stream.append(SEP)
         for node in self.active:  # an occurrence at a document's end has no continuation: forget it
             self.last[node], self.prev[node] = self.prev[node], -1
-        self.active = []
+        self.active = self.before = []
 
     def match(self) -> tuple[int, int, int]:
         """(length, end, node) of the longest suffix of the stream that also ended earlier, at `end` most recently,
@@ -223,6 +225,19 @@ class SuffixIndex:
                     return len(tokens) - s, end, node
         return 0, -1, 0
 
+    def before_last(self) -> tuple[int, int]:
+        """(length, end) of the longest suffix (2..depth tokens) of the stream without its last token that ended
+        earlier, at `end` most recently, with two tokens after it; (0, -1) when there is none. Where the last token
+        broke a copy (`match` finds it nowhere after its predecessor), the copy's source sits at `end`: the last token
+        replaced the one after it, or came in before it (`CopyDrafter`'s aligned copies). O(depth)."""
+        stream, n = self.stream, len(self.stream)
+        for length in range(len(self.before), 1, -1):
+            node = self.before[length - 1]
+            for end in (self.last[node], self.prev[node]):
+                if 0 <= end < n - 2 and SEP not in (stream[end + 1], stream[end + 2]):
+                    return length, end
+        return 0, -1
+
     def continuation(self, end: int, n: int) -> list[int]:
         """Up to n tokens that followed position `end`; a copy that reaches the end of the stream goes on copying
         itself (a repeat with period len(stream) - 1 - end), and one that reaches a document boundary stops."""
@@ -240,9 +255,33 @@ MATCH_BUCKETS = (1, 2, 3, 4, 6, 9, 13, 19, 27)  # match lengths that start a buc
 _BUCKET_OF = [sum(n >= b for b in MATCH_BUCKETS) for n in range(MATCH_BUCKETS[-1] + 1)]
 
 
+ALIGNED = (len(MATCH_BUCKETS) + 1, False)  # the bucket of an aligned copy's first token (`CopyDrafter._aligned`)
+ALIGNED_PRIOR = 0.25  # its prior chance: 23% of such first tokens were the target's on the embedded model's greedy
+#                       answers to the app's examples (the stream's record choosing the alignment), 65% of those went on
+ALIGN_DECAY = 0.8  # the memory of a stream's record of which alignment (substitution or insertion) copies on
+ALIGNED_RUN = 6  # an aligned copy may replace a one-token match only after a copied run this long: a short run says
+#                  little, and the last token found elsewhere may mean the text moved on to another part of its source
+
+
 def match_bucket(length: int, split: bool) -> tuple[int, bool]:
     """Statistics are kept per (match-length bucket, whether earlier occurrences went on in more than one way)."""
     return _BUCKET_OF[min(length, MATCH_BUCKETS[-1])], split
+
+
+class Copy(NamedTuple):
+    """A copy drafter's draft at one context: the copied tokens, the match they follow (length, split), whether they
+    are an aligned copy, and where the last token broke a copy, both aligned copies (`CopyDrafter._aligned`)."""
+    tokens: list[int]
+    length: int
+    split: bool
+    aligned: bool = False
+    sub: list[int] = []  # the copy had the last token replaced the source's next one
+    ins: list[int] = []  # the copy had the last token come in before it
+    pick: list[int] = []  # the one of the two the stream's record chose (drafted where `aligned`)
+
+    def bucket(self, j: int) -> tuple[int, bool]:
+        """The odds' bucket of copied token j."""
+        return ALIGNED if self.aligned and j == 0 else match_bucket(self.length + j, self.split and j == 0)
 
 
 class CopyDrafter(Drafter):
@@ -263,6 +302,10 @@ class CopyDrafter(Drafter):
 
     model_free = True
     sets_length = True
+    aligns = False  # where the last token broke a copy, draft an aligned one (`_aligned`); off until an engine run
+    # shows it pays: teacher-forced it lifts prompt lookup's tokens per forward on the summary example 7.53 -> 9.14
+    # (K=16), 1.6% on the open prompts, but on an H100 its first version's host work (a quadratic lookup, now linear)
+    # cost more than it gained (`benchmarks.run --aligned-copies on|off`)
     session = ("odds", "_memo")
 
     def __init__(self, device="cpu", depth: int = 16, max_draft: int = MAX_GAMMA):
@@ -273,12 +316,14 @@ class CopyDrafter(Drafter):
         self.index = SuffixIndex(depth)
         self.odds = CopyOdds()  # the chance that a copied token is accepted, learnt from every scored round
         self._row0, self._stream0 = 0, 0  # row position and stream position of the current document's first token
-        self._memo: dict[int, tuple[list[int], int, bool]] = {}  # stream length -> (draft, match length, split)
+        self._memo: dict[int, Copy] = {}  # stream length -> the longest draft there
+        self.alignment = {"sub": 0.0, "ins": 0.0}  # this stream's decayed record of the aligned copies' first tokens
 
     # -- the drafter interface -------------------------------------------------------------------------
     def start(self, rows, sampling, generator, hidden=None):
         self._row0, self._stream0 = self._begin(rows[0])
         self._memo = {}
+        self.alignment = {"sub": 0.0, "ins": 0.0}
 
     def propose(self, rows, k):
         first = self.propose_ids(rows[0], k)
@@ -288,14 +333,13 @@ class CopyDrafter(Drafter):
         return Proposal(tokens.to(self.device, non_blocking=True), None)
 
     def propose_ids(self, row, k):
-        tokens, length, split = self._match(row, k)
-        return tokens[:self._length(length, split, len(tokens))]
+        copy = self._match(row, k)
+        return copy.tokens[:self._length(copy)]
 
     def copy_rate(self, row, k: int) -> float:
         """The expected tokens per second of this drafter's best copy of at most k tokens at row's context (by this
         session's odds and the measured costs; 0 without a copy)."""
-        tokens, length, split = self._match(row, k)
-        return max(length_rates(self._survival(length, split, len(tokens)), self.costs)[1:], default=0.0)
+        return max(length_rates(self._survival(self._match(row, k)), self.costs)[1:], default=0.0)
 
     def branch(self, rows, k: int, floor: float = BRANCH_FLOOR) -> torch.Tensor | None:
         """Copied chains to join a greedy draft tree as one more branch (`TreeProposal.graft`): [B, C] int64, -1
@@ -304,8 +348,8 @@ class CopyDrafter(Drafter):
         here); None when row 0 copies nothing."""
         chains = []
         for row in rows:
-            tokens, length, split = self._match(row, k)
-            chains.append(tokens[:sum(p >= floor for p in self._survival(length, split, len(tokens)))])
+            copy = self._match(row, k)
+            chains.append(copy.tokens[:sum(p >= floor for p in self._survival(copy))])
         C = len(chains[0])
         if not C:
             return None
@@ -318,12 +362,17 @@ class CopyDrafter(Drafter):
             self.start(rows, None, None)
             return
         new = row[self._row0 + at - self._stream0:]
-        draft, length, split = self._draft_at(at)
-        for j in range(min(len(draft), len(new))):  # score the draft against what the target emitted, token by token
-            hit = draft[j] == new[j]
-            self.odds.observe(match_bucket(length + j, split and j == 0), hit)
+        copy = self._draft_at(at)
+        for j in range(min(len(copy.tokens), len(new))):  # score the draft against what the target emitted
+            hit = copy.tokens[j] == new[j]
+            self.odds.observe(copy.bucket(j), hit)
             if not hit:
                 break
+        if copy.pick and new:  # the last token broke a copy: which alignment went on
+            for way in ("sub", "ins"):
+                self.alignment[way] = ALIGN_DECAY * self.alignment[way] + (getattr(copy, way)[:1] == new[:1])
+            if not copy.aligned:  # not drafted: its first token still tells the aligned bucket's record
+                self.odds.observe(ALIGNED, copy.pick[0] == new[0])
         self.index.extend(new)
 
     def reset_session(self):
@@ -349,50 +398,68 @@ class CopyDrafter(Drafter):
             return pos if row[self._row0 + lo - self._stream0:] == stream[lo:pos] else None
         return None
 
-    def _draft_at(self, pos: int) -> tuple[list[int], int, bool]:
-        """(draft, match length, split): the longest draft the index supports at stream length `pos` (the current
-        end, or one of the last two the memo keeps: the next round may draft before the engine scores this one's
-        counterfactuals)."""
+    def _draft_at(self, pos: int) -> Copy:
+        """The longest draft the index supports at stream length `pos` (the current end, or one of the last two the
+        memo keeps: the next round may draft before the engine scores this one's counterfactuals)."""
         if pos not in self._memo:
             length, end, node = self.index.match()
-            tokens = self.index.continuation(end, self.max_draft) if length else []
+            copy = Copy(self.index.continuation(end, self.max_draft) if length else [], length,
+                        len(self.index.kids[node]) > 1)
             last = max(self._memo, default=None)
             self._memo = {} if last is None else {last: self._memo[last]}
-            self._memo[pos] = (tokens, length, len(self.index.kids[node]) > 1)
+            self._memo[pos] = self._aligned(copy) if self.aligns and length < 2 else copy
         return self._memo[pos]
 
-    def _match(self, row, k) -> tuple[list[int], int, bool]:
-        """(draft, match length, split) for row: at most k tokens, from the index where row is on its path."""
+    def _aligned(self, copy: Copy) -> Copy:
+        """Where the last token broke a copy (it follows its predecessor nowhere earlier), the copies aligned with the
+        source of the tokens before it (`SuffixIndex.before_last`): the last token replaced the source's next token
+        (a renamed word, a changed number: copy on after that token) or came in before it (an inserted word: copy
+        on from it). The stream's record of which went on picks one; it is drafted where the last token follows
+        nothing, or after a run of ALIGNED_RUN tokens where its first token's chance beats the plain match's (each
+        learnt in `observe`)."""
+        length, end = self.index.before_last()
+        if not length:
+            return copy
+        sub, ins = self.index.continuation(end + 1, self.max_draft), self.index.continuation(end, self.max_draft)
+        pick = ins if self.alignment["ins"] > self.alignment["sub"] else sub
+        drafted = not copy.tokens or \
+            (length >= ALIGNED_RUN and self.odds.chance(ALIGNED) > self.odds.chance(copy.bucket(0)))
+        if drafted:
+            return Copy(pick, length, False, True, sub, ins, pick)
+        return copy._replace(sub=sub, ins=ins, pick=pick)
+
+    def _match(self, row, k) -> Copy:
+        """The draft for row: at most k tokens, from the index where row is on its path."""
         at = self._position(row)
         if at is None:
             return self._off_path(row, k)
         if at == len(self.index.stream) and at < self._stream0 + len(row) - self._row0:  # row runs ahead: catch up
             self.index.extend(row[self._row0 + at - self._stream0:])
-        tokens, length, split = self._draft_at(self._stream0 + len(row) - self._row0)
-        return tokens[:k], length, split
+        copy = self._draft_at(self._stream0 + len(row) - self._row0)
+        return copy._replace(tokens=copy.tokens[:k])
 
-    def _off_path(self, row, k) -> tuple[list[int], int, bool]:
+    def _off_path(self, row, k) -> Copy:
         length, end, node, index = self._find(row)
         tokens = index.continuation(end, min(k, self.max_draft)) if length else []
-        return tokens, length, len(index.kids[node]) > 1
+        return Copy(tokens, length, len(index.kids[node]) > 1)
 
     def _draft_off_path(self, row, k) -> list[int]:
-        tokens, length, split = self._off_path(row, k)
-        return tokens[:self._length(length, split, len(tokens))]
+        copy = self._off_path(row, k)
+        return copy.tokens[:self._length(copy)]
 
     def _find(self, row):
         raise NotImplementedError
 
-    def _length(self, length: int, split: bool, available: int) -> int:
-        """How many of the available tokens to propose after a match of `length` tokens: the K in 0..available with
-        the most expected tokens per second, each accepted token lengthening the match for the next."""
-        return best_length(self._survival(length, split, available), self.costs)
+    def _length(self, copy: Copy) -> int:
+        """How many of the copied tokens to propose: the K in 0..len(copy.tokens) with the most expected tokens per
+        second, each accepted token lengthening the match for the next."""
+        return best_length(self._survival(copy), self.costs)
 
-    def _survival(self, length: int, split: bool, available: int) -> list[float]:
-        """The chance that the first 1, 2, ... of the available copied tokens are all accepted (stops below 1e-3)."""
+    def _survival(self, copy: Copy) -> list[float]:
+        """The chance that the first 1, 2, ... of the copied tokens are all accepted (stops below 1e-3)."""
         survival, p = [], 1.0
-        for j in range(available if length else 0):
-            p *= self.odds.chance(match_bucket(length + j, split and j == 0))
+        for j in range(len(copy.tokens) if copy.length else 0):
+            p *= self.odds.chance(copy.bucket(j))
             if p < 1e-3:  # later tokens add nothing that could pay for verifying them
                 break
             survival.append(p)
@@ -408,6 +475,7 @@ def copy_prior(bucket: int, split: bool) -> float:
 
 
 _PRIOR = {(b, split): copy_prior(b, split) for b in range(len(MATCH_BUCKETS) + 1) for split in (False, True)}
+_PRIOR[ALIGNED] = ALIGNED_PRIOR
 
 
 class CopyOdds:

@@ -25,9 +25,9 @@ def steep_costs() -> CostModel:
     return costs
 
 
-def copier(cls=PromptLookup, costs=None, **kwargs):
+def copier(cls=PromptLookup, costs=None, aligns=True, **kwargs):
     d = cls(**kwargs)
-    d.costs = costs or flat_costs()
+    d.costs, d.aligns = costs or flat_costs(), aligns
     return d
 
 
@@ -56,6 +56,30 @@ def brute_find(stream, tokens, depth):
             if stream[end - length + 1:end + 1] == suffix and stream[end + 1] != SEP:
                 return length, end
     return 0, -1
+
+
+def brute_before_last(stream, depth):
+    """Longest suffix (2..depth tokens) of the stream without its last token that ended before that suffix's own
+    end, among its two latest ends (what the index keeps per string); (length, that end)."""
+    n = len(stream)
+    for length in range(min(depth, n - 1), 1, -1):
+        suffix = stream[n - 1 - length:n - 1]
+        ends = [e for e in range(n - 1, length - 2, -1) if stream[e - length + 1:e + 1] == suffix][:2]
+        for end in ends:
+            if end < n - 2:
+                return length, end
+    return 0, -1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_before_last_finds_the_source_of_the_tokens_before_the_last(seed):
+    rng = random.Random(seed)
+    for _ in range(60):
+        vocab, depth = rng.choice([2, 3, 6, 50]), rng.choice([2, 3, 16])
+        index = SuffixIndex(depth)
+        for _ in range(rng.randint(1, 30)):
+            index.extend([rng.randrange(vocab) for _ in range(rng.randint(1, 4))])
+            assert index.before_last() == brute_before_last(index.stream, depth), (index.stream, depth)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -114,6 +138,23 @@ def test_prompt_lookup_copies_after_the_longest_match_not_the_latest_short_one()
     assert copier().propose_ids([1, 2, 3], 4) == []
 
 
+def test_prompt_lookup_copies_on_past_a_replaced_or_an_inserted_token():
+    source = [10, 11, 12, 13, 14, 15, 16, 17]
+    rows = [source + [5, 10, 11, 12, 99]]  # 99 broke the copy where the source has 13
+    d = copier()
+    d.start(rows, SamplingConfig(), None)
+    assert d.propose_ids(rows[0], 4) == [14, 15, 16, 17]  # no record yet: 99 replaced 13, copy on after it
+    before = len(rows[0])
+    rows[0].append(13)  # the target went on with 13: 99 had come in before it
+    d.observe(rows, before)
+    assert d.alignment["ins"] > d.alignment["sub"]
+    rows[0] += [14, 77]  # 77 breaks the copy again
+    assert d.propose_ids(rows[0], 3) == [15, 16, 17]  # insertions went on in this stream: copy on from 15
+    unaligned = copier(aligns=False)
+    unaligned.start(rows, SamplingConfig(), None)
+    assert unaligned.propose_ids(rows[0], 3) == []  # 77 follows nothing earlier
+
+
 def test_prompt_lookup_draft_length_follows_costs_and_match():
     row = [7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # 10-token match
     assert copier(costs=flat_costs()).propose_ids(row, 8) == [11, 12, 0, 1, 2, 3, 4, 5]  # free tokens: all k
@@ -142,11 +183,11 @@ def test_prompt_lookup_incremental_index_equals_a_fresh_one():
     gives (with free tokens, so both propose everything their match supports)."""
     rng = random.Random(3)
     prompt = [rng.randrange(6) for _ in range(60)]
-    d = copier()
+    d = copier(aligns=False)  # aligned copies follow the stream's record of them (`_aligned`, tested below)
     rows = [list(prompt)]
     d.start(rows, SamplingConfig(), None)
     for _ in range(30):
-        assert d.propose_ids(rows[0], 8) == copier().propose_ids(list(rows[0]), 8)
+        assert d.propose_ids(rows[0], 8) == copier(aligns=False).propose_ids(list(rows[0]), 8)
         rows[0].extend(rng.randrange(6) for _ in range(rng.randint(1, 4)))
         d.observe(rows, 0)
 
