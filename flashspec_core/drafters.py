@@ -302,10 +302,9 @@ class CopyDrafter(Drafter):
 
     model_free = True
     sets_length = True
-    aligns = False  # where the last token broke a copy, draft an aligned one (`_aligned`); off until an engine run
-    # shows it pays: teacher-forced it lifts prompt lookup's tokens per forward on the summary example 7.53 -> 9.14
-    # (K=16), 1.6% on the open prompts, but on an H100 its first version's host work (a quadratic lookup, now linear)
-    # cost more than it gained (`benchmarks.run --aligned-copies on|off`)
+    aligns = True  # where the last token broke a copy, draft an aligned one (`_aligned`): on an H100 prompt lookup
+    # alone 3.66x -> 3.89x own plain on the summary example, 1.66x -> 1.76x on the long repetitive one, the others
+    # within 1%, rounds no longer (`benchmarks.run --aligned-copies on|off`, `engine_embedded_cuda_lin_*_s57.json`)
     session = ("odds", "_memo")
 
     def __init__(self, device="cpu", depth: int = 16, max_draft: int = MAX_GAMMA):
