@@ -342,7 +342,8 @@ def build_decoding_pickers(prefix: str = "") -> dict[str, gr.components.Componen
         c[prefix + "gamma_auto"] = gr.Checkbox(value=True, label="Auto gamma", elem_id=eid + "gamma-auto",
                                                info="Per drafter, from its acceptance and measured costs.")
     c[prefix + "shape"] = gr.Radio(list(DRAFT_SHAPES), value=default_shape(spec), label="Draft shape",
-                                   elem_id=eid + "shape", info="What the draft head drafts: a chain, or a tree of that many nodes whose "
+                                   elem_id=eid + "shape",
+                                   info="What the draft head drafts: a chain, or a tree of that many nodes whose "
                                         "branches the target checks in one forward (hover a round to see them).")
     with gr.Row():
         c[prefix + "bandit"] = gr.Radio(list(STRATEGIES), value="ucb1", label="Bandit strategy", elem_id=eid + "bandit")

@@ -332,8 +332,8 @@ class CopyDrafter(Drafter):
         return Proposal(tokens.to(self.device, non_blocking=True), None)
 
     def propose_ids(self, row, k):
-        copy = self._match(row, k)
-        return copy.tokens[:self._length(copy)]
+        found = self._match(row, k)
+        return found.tokens[:self._length(found)]
 
     def copy_rate(self, row, k: int) -> float:
         """The expected tokens per second of this drafter's best copy of at most k tokens at row's context (by this
@@ -347,8 +347,8 @@ class CopyDrafter(Drafter):
         here); None when row 0 copies nothing."""
         chains = []
         for row in rows:
-            copy = self._match(row, k)
-            chains.append(copy.tokens[:sum(p >= floor for p in self._survival(copy))])
+            found = self._match(row, k)
+            chains.append(found.tokens[:sum(p >= floor for p in self._survival(found))])
         C = len(chains[0])
         if not C:
             return None
@@ -361,17 +361,17 @@ class CopyDrafter(Drafter):
             self.start(rows, None, None)
             return
         new = row[self._row0 + at - self._stream0:]
-        copy = self._draft_at(at)
-        for j in range(min(len(copy.tokens), len(new))):  # score the draft against what the target emitted
-            hit = copy.tokens[j] == new[j]
-            self.odds.observe(copy.bucket(j), hit)
+        found = self._draft_at(at)
+        for j in range(min(len(found.tokens), len(new))):  # score the draft against what the target emitted
+            hit = found.tokens[j] == new[j]
+            self.odds.observe(found.bucket(j), hit)
             if not hit:
                 break
-        if copy.pick and new:  # the last token broke a copy: which alignment went on
+        if found.pick and new:  # the last token broke a copy: which alignment went on
             for way in ("sub", "ins"):
-                self.alignment[way] = ALIGN_DECAY * self.alignment[way] + (getattr(copy, way)[:1] == new[:1])
-            if not copy.aligned:  # not drafted: its first token still tells the aligned bucket's record
-                self.odds.observe(ALIGNED, copy.pick[0] == new[0])
+                self.alignment[way] = ALIGN_DECAY * self.alignment[way] + (getattr(found, way)[:1] == new[:1])
+            if not found.aligned:  # not drafted: its first token still tells the aligned bucket's record
+                self.odds.observe(ALIGNED, found.pick[0] == new[0])
         self.index.extend(new)
 
     def reset_session(self):
@@ -402,14 +402,14 @@ class CopyDrafter(Drafter):
         memo keeps: the next round may draft before the engine scores this one's counterfactuals)."""
         if pos not in self._memo:
             length, end, node = self.index.match()
-            copy = Copy(self.index.continuation(end, self.max_draft) if length else [], length,
+            found = Copy(self.index.continuation(end, self.max_draft) if length else [], length,
                         len(self.index.kids[node]) > 1)
             last = max(self._memo, default=None)
             self._memo = {} if last is None else {last: self._memo[last]}
-            self._memo[pos] = self._aligned(copy) if self.aligns and length < 2 else copy
+            self._memo[pos] = self._aligned(found) if self.aligns and length < 2 else found
         return self._memo[pos]
 
-    def _aligned(self, copy: Copy) -> Copy:
+    def _aligned(self, found: Copy) -> Copy:
         """Where the last token broke a copy (it follows its predecessor nowhere earlier), the copies aligned with the
         source of the tokens before it (`SuffixIndex.before_last`): the last token replaced the source's next token
         (a renamed word, a changed number: copy on after that token) or came in before it (an inserted word: copy
@@ -418,14 +418,14 @@ class CopyDrafter(Drafter):
         learnt in `observe`)."""
         length, end = self.index.before_last()
         if not length:
-            return copy
+            return found
         sub, ins = self.index.continuation(end + 1, self.max_draft), self.index.continuation(end, self.max_draft)
         pick = ins if self.alignment["ins"] > self.alignment["sub"] else sub
-        drafted = not copy.tokens or \
-            (length >= ALIGNED_RUN and self.odds.chance(ALIGNED) > self.odds.chance(copy.bucket(0)))
+        drafted = not found.tokens or \
+            (length >= ALIGNED_RUN and self.odds.chance(ALIGNED) > self.odds.chance(found.bucket(0)))
         if drafted:
             return Copy(pick, length, False, True, sub, ins, pick)
-        return copy._replace(sub=sub, ins=ins, pick=pick)
+        return found._replace(sub=sub, ins=ins, pick=pick)
 
     def _match(self, row, k) -> Copy:
         """The draft for row: at most k tokens, from the index where row is on its path."""
@@ -434,8 +434,8 @@ class CopyDrafter(Drafter):
             return self._off_path(row, k)
         if at == len(self.index.stream) and at < self._stream0 + len(row) - self._row0:  # row runs ahead: catch up
             self.index.extend(row[self._row0 + at - self._stream0:])
-        copy = self._draft_at(self._stream0 + len(row) - self._row0)
-        return copy._replace(tokens=copy.tokens[:k])
+        found = self._draft_at(self._stream0 + len(row) - self._row0)
+        return found._replace(tokens=found.tokens[:k])
 
     def _off_path(self, row, k) -> Copy:
         length, end, node, index = self._find(row)
@@ -443,22 +443,22 @@ class CopyDrafter(Drafter):
         return Copy(tokens, length, len(index.kids[node]) > 1)
 
     def _draft_off_path(self, row, k) -> list[int]:
-        copy = self._off_path(row, k)
-        return copy.tokens[:self._length(copy)]
+        found = self._off_path(row, k)
+        return found.tokens[:self._length(found)]
 
     def _find(self, row):
         raise NotImplementedError
 
-    def _length(self, copy: Copy) -> int:
-        """How many of the copied tokens to propose: the K in 0..len(copy.tokens) with the most expected tokens per
+    def _length(self, found: Copy) -> int:
+        """How many of the copied tokens to propose: the K in 0..len(found.tokens) with the most expected tokens per
         second, each accepted token lengthening the match for the next."""
-        return best_length(self._survival(copy), self.costs)
+        return best_length(self._survival(found), self.costs)
 
-    def _survival(self, copy: Copy) -> list[float]:
+    def _survival(self, found: Copy) -> list[float]:
         """The chance that the first 1, 2, ... of the copied tokens are all accepted (stops below 1e-3)."""
         survival, p = [], 1.0
-        for j in range(len(copy.tokens) if copy.length else 0):
-            p *= self.odds.chance(copy.bucket(j))
+        for j in range(len(found.tokens) if found.length else 0):
+            p *= self.odds.chance(found.bucket(j))
             if p < 1e-3:  # later tokens add nothing that could pay for verifying them
                 break
             survival.append(p)
