@@ -362,11 +362,13 @@ def answer_all(gen: Gen, jobs: list[tuple[Prompt, float]], max_new: int) -> tupl
 def follow_ups(gen: Gen, firsts: list, n: int, max_new: int, rng: random.Random) -> Corpus:
     """Second turns: a share of first exchanges get a follow-up request and the target's greedy answer."""
     picked = rng.sample(firsts, min(n, len(firsts)))
+    corpus = Corpus([], [], [], [])
+    if not picked:  # a round with no greedy first answer (or none asked for)
+        return corpus
     texts = [gen.tokenizer.apply_chat_template(
         [{"role": "user", "content": p.text}, {"role": "assistant", "content": gen.text(a)},
          {"role": "user", "content": rng.choice(FOLLOW_UPS)}], tokenize=False, add_generation_prompt=True)
         for p, a in picked]
-    corpus = Corpus([], [], [], [])
     add(corpus, gen.tokenizer, texts, gen.continue_texts(texts, max_new, 0.0),
         [p.heldout for p, _ in picked], True)
     return corpus
@@ -374,6 +376,8 @@ def follow_ups(gen: Gen, firsts: list, n: int, max_new: int, rng: random.Random)
 
 def add(corpus: Corpus, tokenizer, texts: list[str], answers: list[list[int]], heldout: list[bool], greedy: bool) -> None:
     """Append (prompt text, answer ids) pairs; prompts that got no answer (too long) are skipped."""
+    if not texts:  # the tokenizer refuses an empty batch
+        return
     for ids, answer, held in zip(tokenizer(texts, add_special_tokens=False)["input_ids"], answers, heldout):
         if answer:
             corpus.sequences.append(ids + answer)

@@ -48,7 +48,8 @@ class TrainConfig:
     gen_batch: int = 2048  # rows per generate() call (fewer for long prompts)
     gen_cache: str = "slots"  # how the generating copy decodes (head_data.CACHES): rows refilled from a ring cache
     gen_compile: bool = False  # let generate() compile the static decode step on CUDA (one compile per shape)
-    sampled_fraction: float = 0.5  # prompts that also get a sampled answer (half at temperature 0.7, half at 1)
+    sampled_fraction: float = 0.5  # prompts that also get a sampled answer, at one of sampled_temperatures
+    sampled_temperatures: str = "0.7,1"  # comma-separated, drawn with equal odds ("1": every sampled answer at 1)
     round_answers: int = 49152  # answers made in one pass (all temperatures at once), then saved as shards
     draft_vocab: int = 16384  # rows of the head's output layer
     head_intermediate: int = 0  # the head's MLP width (0: the target's); past --init's, the new units start silent
@@ -74,6 +75,15 @@ class TrainConfig:
     def __post_init__(self):
         if self.ttt_steps < 1 or self.draft_vocab < 1 or self.batch_tokens < self.max_len:
             raise ValueError(f"need ttt_steps >= 1, draft_vocab >= 1 and batch_tokens >= max_len, got {self}")
+        if not self.temperatures() or not all(t > 0 for t in self.temperatures()):
+            raise ValueError(f"sampled_temperatures must list temperatures > 0, got {self.sampled_temperatures!r}")
+
+    def temperatures(self) -> tuple[float, ...]:
+        """The sampled answers' temperatures."""
+        try:
+            return tuple(float(t) for t in self.sampled_temperatures.split(",") if t.strip())
+        except ValueError:
+            return (0.0,)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -563,7 +573,9 @@ def make_corpus(gen: Gen, cfg: TrainConfig, folder: Path, log=print) -> Corpus:
     rng.shuffle(held)
     (folder / "heldout_prompts.json").write_text(json.dumps(held[:400], indent=1))
     log(f"{len(prompts)} prompts ({len(held)} held out), {gen.tokens} tokens in {time.monotonic() - t0:.0f} s")
-    jobs = [(p, 0.0) for p in prompts] + [(p, rng.choice((0.7, 1.0))) for p in prompts if rng.random() < cfg.sampled_fraction]
+    temperatures = cfg.temperatures()
+    jobs = [(p, 0.0) for p in prompts] + [(p, rng.choice(temperatures)) for p in prompts
+                                          if rng.random() < cfg.sampled_fraction]
     rng.shuffle(jobs)
     share = cfg.follow_ups / max(1, len(jobs))
     parts, made, t_answers, at = [], gen.tokens, time.monotonic(), 0
@@ -787,8 +799,8 @@ RECIPE = ("Self-distillation, no data set: the target lists topics of ~100 seed 
           "trivia, opinions, summaries, questions and rewrites of passages, code written / explained / fixed / "
           "converted, JSON and tables, arithmetic and word problems, ...) are crossed with those topics, audiences, "
           "tones and lengths, plus user turns the target writes itself; prompts resembling assets/examples.json or "
-          "benchmarks/open_prompts.json are dropped; every prompt gets the target's greedy answer, half of them a "
-          "sampled one (temperature 0.7 or 1), and a share of first answers a follow-up turn; whole kinds and a share "
+          "benchmarks/open_prompts.json are dropped; every prompt gets the target's greedy answer, a share of them "
+          "(train.sampled_fraction) a sampled one (at train.sampled_temperatures), and a share of first answers a follow-up turn; whole kinds and a share "
           "of topics are held out. Loss: training-time test over K draft passes, cross-entropy against the target's "
           "temperature-1 distribution restricted to the draft vocabulary (the most frequent answer tokens), pass j "
           "weighted decay**j; AdamW, warm-up, cosine; bfloat16 autocast on CUDA.")

@@ -442,3 +442,21 @@ def test_a_round_of_answers_fits_the_data_budget_left():
     assert round_size(49152, 12288, 90.0, 45.0) == 6144  # 136.5 jobs/s for 45 s
     assert round_size(49152, 12288, 10.0, 600.0) == 49152
     assert round_size(49152, 12288, 90.0, 0.001) == 1
+
+
+def test_sampled_temperatures_set_the_sampled_answers_temperatures(tiny, tmp_path, monkeypatch):
+    """`sampled_temperatures` lists what the sampled answers are drawn at (the default keeps 0.7 and 1); a list
+    without a positive temperature is refused before any data is made."""
+    import flashspec_core.train_head as th
+
+    asked = []
+    answer_all = th.answer_all
+    monkeypatch.setattr(th, "answer_all", lambda gen, jobs, n: asked.extend(t for _, t in jobs) or answer_all(gen, jobs, n))
+    cfg = replace(CFG, seed=2, sampled_fraction=1.0, sampled_temperatures="1")
+    make_corpus(Gen(*tiny, CFG.gen_batch, CFG.gen_cache, CFG.max_new_tokens), cfg, tmp_path, log=lambda m: None)
+    assert set(asked) == {0.0, 1.0} and asked.count(0.0) == asked.count(1.0)
+    assert TrainConfig().temperatures() == (0.7, 1.0)
+    assert replace(CFG, sampled_temperatures="1").temperatures() == (1.0,)
+    for bad in ("", "0", "hot", "1,-0.5"):
+        with pytest.raises(ValueError, match="sampled_temperatures"):
+            replace(CFG, sampled_temperatures=bad)
