@@ -36,8 +36,8 @@ ATTENTION = ("auto", "math", "sdpa", "ordered")
 GEMMS = ("auto", "rows", "columns")
 LOOPS = ("auto", "native", "script", "python")
 COLUMNS_MAX_TOKENS = 10  # "columns" GEMMs serve forwards of up to this many tokens (measured: rows win at 12-14)
-MAX_GRAPH_TOKENS = 33  # verify of K + 1 tokens, K <= 32
-SLACK = 33  # cache slots past max_len: a draft model runs up to K tokens ahead of the target's window
+MAX_GRAPH_TOKENS = 41  # verify of K + 1 tokens, K <= 40: a 32-node tree with an 8-token copied branch
+SLACK = MAX_GRAPH_TOKENS  # cache slots past max_len: a verify (or a draft model up to K tokens ahead) past the window
 DEFAULT_MAX_LEN = 4096
 PREFILL_GRAPH_TOKENS = 512  # prompts padded up to this long prefill as one captured graph (CUDA)
 PREFILL_MIN = 16  # the shortest padded prompt
@@ -139,7 +139,7 @@ class StaticCausalLM:
 
     Same interface as `CausalLM`: `forward` appends ids [B, T] and returns float32 logits [B, T', V] (sliced to
     `vocab_size`, a fresh tensor); `crop` rolls back; `reset` empties the cache and keeps every buffer and graph.
-    The cache holds max_len + 33 slots per layer (rounded up to a multiple of 64); `context_window` is max_len.
+    The cache holds max_len + SLACK slots per layer (rounded up to a multiple of 64); `context_window` is max_len.
 
     ctx_buckets: attention reads only the first S cache slots, S the smallest bucket >= length + T, so one
     graph per (T, S) serves every position in the bucket. Defaults: 256, 512, 1024, ... up to the capacity.

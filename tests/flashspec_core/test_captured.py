@@ -87,8 +87,10 @@ def test_greedy_captured_trees_with_a_copied_branch_equal_plain(tiny, drafters, 
     assert bool(grafts) == (levels == "triton")
     sampled = engine.generate(PROMPT, 24, sampling=T1, drafters=drafters, tree=tree)
     assert all(e.tree_nodes <= tree.sampled.N for e in sampled.events)
-    with pytest.raises(ValueError, match="at most 32 drafted tokens"):
-        engine.generate(PROMPT, 8, drafters=["draft_head"], tree=TreeSize(6, 4, 32, copy=4))
+    widest = TreeSize(6, 4, 32, copy=8)  # 41 tokens a verify: the captured rounds' bound (MAX_GRAPH_TOKENS)
+    assert engine.generate(PROMPT, 8, drafters=["draft_head"], tree=widest).token_ids == plain[:8]
+    with pytest.raises(ValueError, match="at most 40 drafted tokens"):
+        engine.generate(PROMPT, 8, drafters=["draft_head"], tree=TreeSize(6, 4, 32, copy=9))
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, T1], ids=["greedy", "t1"])

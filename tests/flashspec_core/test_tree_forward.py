@@ -20,7 +20,7 @@ from tests.flashspec_core.test_fast_path import build
 #       |     +- 3
 #       +- 1 --- 4
 TREE = DraftTree((-1, -1, 0, 0, 1, 2))
-WIDE = DraftTree.full((3, 3, 3))  # 39 nodes: past max_graph_tokens, so float32 static attention runs through SDPA
+WIDE = DraftTree.full((3, 3, 4))  # 48 nodes: past max_graph_tokens, so float32 static attention runs through SDPA
 assert WIDE.N + 1 > MAX_GRAPH_TOKENS
 KINDS = ["hf-eager", "hf-sdpa", "static", "static-gguf", "static-gguf-ordered"]
 # max |logit| difference allowed against the chain: float32 differs in rounding only (measured <= 4e-6); the GGUF path
@@ -73,7 +73,7 @@ def slot_path(tree: DraftTree, slot: int) -> list[int]:
     return [0] + [node + 1 for node in tree.path_to(slot - 1)]
 
 
-@pytest.mark.parametrize("tree", [DraftTree.full((2, 2)), TREE, WIDE], ids=["full-2x2", "hand-made", "wide-40"])
+@pytest.mark.parametrize("tree", [DraftTree.full((2, 2)), TREE, WIDE], ids=["full-2x2", "hand-made", "wide-49"])
 @pytest.mark.parametrize("kind", [*KINDS, "static-kernels"])
 def test_every_slot_gets_the_logits_of_a_chain_over_its_path(models, kind, tree):
     if kind == "static-kernels" and tree is WIDE:
