@@ -451,7 +451,8 @@ def test_sampled_temperatures_set_the_sampled_answers_temperatures(tiny, tmp_pat
 
     asked = []
     answer_all = th.answer_all
-    monkeypatch.setattr(th, "answer_all", lambda gen, jobs, n: asked.extend(t for _, t in jobs) or answer_all(gen, jobs, n))
+    monkeypatch.setattr(th, "answer_all",
+                        lambda gen, jobs, n: asked.extend(t for _, t in jobs) or answer_all(gen, jobs, n))
     cfg = replace(CFG, seed=2, sampled_fraction=1.0, sampled_temperatures="1")
     make_corpus(Gen(*tiny, CFG.gen_batch, CFG.gen_cache, CFG.max_new_tokens), cfg, tmp_path, log=lambda m: None)
     assert set(asked) == {0.0, 1.0} and asked.count(0.0) == asked.count(1.0)
