@@ -75,15 +75,16 @@ class TrainConfig:
     def __post_init__(self):
         if self.ttt_steps < 1 or self.draft_vocab < 1 or self.batch_tokens < self.max_len:
             raise ValueError(f"need ttt_steps >= 1, draft_vocab >= 1 and batch_tokens >= max_len, got {self}")
-        if not self.temperatures() or not all(t > 0 for t in self.temperatures()):
+        try:
+            temperatures = self.temperatures()
+        except ValueError:
+            temperatures = ()
+        if not temperatures or min(temperatures) <= 0:
             raise ValueError(f"sampled_temperatures must list temperatures > 0, got {self.sampled_temperatures!r}")
 
     def temperatures(self) -> tuple[float, ...]:
         """The sampled answers' temperatures."""
-        try:
-            return tuple(float(t) for t in self.sampled_temperatures.split(",") if t.strip())
-        except ValueError:
-            return (0.0,)
+        return tuple(float(t) for t in self.sampled_temperatures.split(",") if t.strip())
 
 
 # ----------------------------------------------------------------------------------------------------
