@@ -418,6 +418,8 @@ def test_greedy_tree_graphs_replay_every_round_and_keep_greedy_exact_a_copied_br
         assert result.token_ids == plain, (drafters, copy)
         assert any(e.drafted_tree is not None for e in result.events)
         assert any(e.tree_nodes > 8 for e in result.events) == bool(copy)
+    engine.reset_session()  # the widest tree a graph holds: 32 head nodes and 8 copied, 41 tokens a verify
+    assert engine.generate(PROMPT, 48, drafters=None, tree=TreeSize(6, 4, 32, copy=8)).token_ids == plain
     c = engine.round.captured
     assert c is not None and c.use_graphs and any(s.tree for s in c.graphs) and c.eager_rounds == 0
 
