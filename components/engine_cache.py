@@ -197,7 +197,7 @@ def get_engine(spec: PairSpec, backend: str = "auto", progress=None) -> Slot:
     return ENGINES.get(spec, backend, progress)
 
 
-TREE_TOKENS = max(t.size for t in DRAFT_SHAPES.values() if t is not None) + 1  # the largest tree's verify
+TREE_TOKENS = max(t.verify_tokens for t in DRAFT_SHAPES.values() if t is not None)  # the largest tree's verify
 TREES = tuple(t for t in DRAFT_SHAPES.values() if t is not None)  # greedy fixed ones run as captured rounds
 
 

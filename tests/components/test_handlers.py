@@ -151,18 +151,24 @@ def test_a_tree_run_shows_its_trees_and_names_its_shape(embedded_slot):
     assert list(last["runs_table"]["draft_shape"]) == ["tree 8 (depth 4, top-k 2)"]
 
 
-def test_a_tree_with_a_copied_branch_gives_plain_decodings_text_and_names_its_shape(embedded_slot):
-    """"tree + copy" on a prompt that repeats itself: the head's tree and prompt lookup's continuation verified
-    together (some tree over the head's 24 nodes), plain decoding's text, and the shape named in the runs table."""
+def test_a_tree_with_a_copied_branch_gives_plain_decodings_text_and_names_its_shape(embedded_slot, monkeypatch):
+    """"tree + copy" on a prompt that repeats itself: the head's tree (sized each round) and prompt lookup's
+    continuation verified together (copied chains found and grafted), plain decoding's text, and the shape named in
+    the runs table."""
+    from flashspec_core import tree_round
+
+    copied, found = [], tree_round._copied
+    monkeypatch.setattr(tree_round, "_copied", lambda *args: copied.append(found(*args)) or copied[-1])
     state = Session()
     plain = drain(run_stream(state, PROMPT, **{**SETTINGS, "max_new_tokens": 24}, mode="plain"))[1]
     _, last = drain(run_stream(state, PROMPT, **{**SETTINGS, "roles": ["draft_head"], "shape": "tree + copy",
                                                  "max_new_tokens": 24}))
     assert last["status"].startswith("Done (run 2)"), last["status"]
     trees = [e for e in state.runs[1].events if e.drafted_tree is not None]
-    assert trees and all(0 < e.tree_nodes <= 32 for e in trees) and any(e.tree_nodes > 24 for e in trees)
+    assert trees and all(0 < e.tree_nodes <= 32 + 8 for e in trees)
+    assert any(chain is not None and int((chain >= 0).sum()) > 0 for chain in copied)
     assert text_of(last["tokens"]) == text_of(plain["tokens"])
-    shape = "tree + copy (depth 6, top-k 4, 24 nodes, a copied branch of up to 8)"
+    shape = "tree + copy (depth 6, top-k 4, up to 32 nodes, a copied branch of up to 8)"
     assert state.runs[1].record["draft_shape"] == shape
 
 
