@@ -802,9 +802,10 @@ RECIPE = ("Self-distillation, no data set: the target lists topics of ~100 seed 
           "tones and lengths, plus user turns the target writes itself; prompts resembling assets/examples.json or "
           "benchmarks/open_prompts.json are dropped; every prompt gets the target's greedy answer, a share of them "
           "(train.sampled_fraction) a sampled one (at train.sampled_temperatures), and a share of first answers a "
-          "follow-up turn; whole kinds and a share of topics are held out. Loss: training-time test over K draft passes, cross-entropy against the target's "
-          "temperature-1 distribution restricted to the draft vocabulary (the most frequent answer tokens), pass j "
-          "weighted decay**j; AdamW, warm-up, cosine; bfloat16 autocast on CUDA.")
+          "follow-up turn; whole kinds and a share of topics are held out. Loss: training-time test over K draft "
+          "passes, cross-entropy against the target's temperature-1 distribution restricted to the draft vocabulary "
+          "(the most frequent answer tokens), pass j weighted decay**j; AdamW, warm-up, cosine; bfloat16 autocast on "
+          "CUDA.")
 
 
 if __name__ == "__main__":

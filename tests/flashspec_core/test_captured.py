@@ -15,6 +15,8 @@ from tests.flashspec_core.test_distribution import PROMPT as LAW_PROMPT
 from tests.flashspec_core.test_distribution import CRITICAL, N, V, chi2, exact_laws, first_two_tokens
 from tests.flashspec_core.test_round import GREEDY, PROMPT, T1, fresh_round
 
+WIDEST = TreeSize(6, 4, 32, copy=8)  # 41 tokens a verify: the captured rounds' bound (MAX_GRAPH_TOKENS)
+
 SAMPLINGS = {"t1": SamplingConfig(temperature=1.0), "topk_topp": SamplingConfig(temperature=0.8, top_k=4, top_p=0.9),
              "t07": SamplingConfig(temperature=0.7), "topk1": SamplingConfig(temperature=1.3, top_k=1),
              "topp": SamplingConfig(temperature=1.0, top_p=0.5)}
@@ -87,8 +89,7 @@ def test_greedy_captured_trees_with_a_copied_branch_equal_plain(tiny, drafters, 
     assert bool(grafts) == (levels == "triton")
     sampled = engine.generate(PROMPT, 24, sampling=T1, drafters=drafters, tree=tree)
     assert all(e.tree_nodes <= tree.sampled.N for e in sampled.events)
-    widest = TreeSize(6, 4, 32, copy=8)  # 41 tokens a verify: the captured rounds' bound (MAX_GRAPH_TOKENS)
-    assert engine.generate(PROMPT, 8, drafters=["draft_head"], tree=widest).token_ids == plain[:8]
+    assert engine.generate(PROMPT, 8, drafters=["draft_head"], tree=WIDEST).token_ids == plain[:8]
     with pytest.raises(ValueError, match="at most 40 drafted tokens"):
         engine.generate(PROMPT, 8, drafters=["draft_head"], tree=TreeSize(6, 4, 32, copy=9))
 
@@ -418,8 +419,8 @@ def test_greedy_tree_graphs_replay_every_round_and_keep_greedy_exact_a_copied_br
         assert result.token_ids == plain, (drafters, copy)
         assert any(e.drafted_tree is not None for e in result.events)
         assert any(e.tree_nodes > 8 for e in result.events) == bool(copy)
-    engine.reset_session()  # the widest tree a graph holds: 32 head nodes and 8 copied, 41 tokens a verify
-    assert engine.generate(PROMPT, 48, drafters=None, tree=TreeSize(6, 4, 32, copy=8)).token_ids == plain
+    engine.reset_session()  # the widest tree a graph holds: 32 head nodes and 8 copied
+    assert engine.generate(PROMPT, 48, drafters=None, tree=WIDEST).token_ids == plain
     c = engine.round.captured
     assert c is not None and c.use_graphs and any(s.tree for s in c.graphs) and c.eager_rounds == 0
 
