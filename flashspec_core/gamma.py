@@ -115,17 +115,18 @@ def best_chain(a: float, draft: DraftCost, costs: CostModel, max_gamma: int) -> 
     return 1 + rates.index(best), best
 
 
-def best_tree_nodes(chances: list[float], costs: CostModel, draft_s: float = 0.0) -> int:
+def best_tree_nodes(chances: list[float], costs: CostModel, draft_s: float = 0.0, extra: int = 0) -> int:
     """How many nodes of a drafted tree to verify, numbered best first so that any first n form a tree (EAGLE-2's
     rerank): the n in 0..len(chances) that maximises expected tokens per second, where chances[i] is node i's
-    chance of acceptance and the round costs draft_s (spent already) and a target forward over n + 1 tokens."""
+    chance of acceptance and the round costs draft_s (spent already) and a target forward over n + 1 tokens and
+    `extra` more (a copied branch that joins the tree whatever its size)."""
     if costs.plain_step() <= 0:
         return len(chances)
-    forward = costs.curve(len(chances) + 1)
-    best, best_rate, tokens = 0, 1.0 / (draft_s + forward[0]), 1.0
+    forward = costs.curve(len(chances) + 1 + extra)
+    best, best_rate, tokens = 0, 1.0 / (draft_s + forward[extra]), 1.0
     for n, chance in enumerate(chances, start=1):
         tokens += chance
-        rate = tokens / (draft_s + forward[n])
+        rate = tokens / (draft_s + forward[n + extra])
         if rate > best_rate:
             best, best_rate = n, rate
     return best

@@ -106,17 +106,18 @@ class HostPolicy:
             depth = best_gamma(s.acceptance[arm].rate, self.draft_cost(arm), self.costs, shape.depth)
             shape = replace(shape, depth=min(shape.depth, depth))
         if s.sampling.greedy:
-            return shape, lambda scores: self.tree_nodes(s, arm, shape.depth, scores)
+            return shape, lambda scores, extra=0: self.tree_nodes(s, arm, shape.depth, scores, extra)
         prior = DraftTree.static_prior(shape.depth, shape.top_k, shape.size)
         return replace(shape, size=max(1, self.tree_nodes(s, arm, shape.depth, prior))), None
 
-    def tree_nodes(self, s: StreamState, arm: str, depth: int, scores: list[float]) -> int:
+    def tree_nodes(self, s: StreamState, arm: str, depth: int, scores: list[float], extra: int = 0) -> int:
         """Tree "auto": how many of a drafted tree's nodes (best first) to verify for the most expected tokens per
         second, each node's chance of acceptance taken as its draft probability (EAGLE-2's observation) scaled by
-        this stream's calibration of the head (`StreamState.tree_fit`)."""
+        this stream's calibration of the head (`StreamState.tree_fit`); `extra` copied tokens join the verify
+        whatever the cut (a tree's copied branch)."""
         chances = [math.exp(x) for x in scores]
         n = best_tree_nodes([min(1.0, s.tree_fit.ratio * c) for c in chances], self.costs,
-                            self.draft_cost(arm).seconds(depth))
+                            self.draft_cost(arm).seconds(depth), extra)
         s.tree_expected = sum(chances[:n])
         return n
 

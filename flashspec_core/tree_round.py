@@ -100,16 +100,16 @@ class TreeSize:
 def run_tree(round_, rows: list[list[int]], drafter: DraftHeadDrafter, shape: TreeSize, sampling: SamplingConfig,
              generator, nodes=None) -> RoundOutput:
     """One tree round over rows of equal length (`round_` a `DeviceRound`): draft, verify, accept, compact, update.
-    nodes: a function of row 0's node scores (host floats, best first) that says how many of the drafted nodes to
-    verify (greedy tree "auto", `HostPolicy.tree_plan`); None verifies them all."""
+    nodes: a function of row 0's node scores (host floats, best first) and of the copied tokens that join them, that
+    says how many of the drafted nodes to verify (greedy tree "auto", `HostPolicy.tree_plan`); None: all of them."""
     timer, target = RoundTimer(round_.device, round_.stream), round_.target
     guessers = round_._guessers()
     guesses = [round_.drafters[name].guess for name in guessers]
     proposal = drafter.propose_tree(rows, shape.depth, shape.top_k, shape.size)  # draft
-    if nodes is not None and proposal.tree.N:
-        proposal = proposal.first(nodes(proposal.score[0].tolist()))
-    drafted = proposal.tree.max_depth  # the head's levels (a copied branch may go deeper)
     chain = _copied(round_, rows, shape.copy) if sampling.greedy and shape.copy else None
+    if nodes is not None and proposal.tree.N:  # the cut prices the copied branch's tokens too
+        proposal = proposal.first(nodes(proposal.score[0].tolist(), 0 if chain is None else chain.shape[1]))
+    drafted = proposal.tree.max_depth  # the head's levels (a copied branch may go deeper)
     if chain is not None:
         proposal = proposal.graft(chain)
     if not proposal.tree.N:  # nothing drafted, or nothing worth its verify: a plain step

@@ -115,6 +115,11 @@ def test_best_tree_nodes_verifies_what_pays_for_its_forward():
     n = best_tree_nodes(chances, some)
     assert 2 <= n < len(chances)
     assert best_tree_nodes(chances, some, draft_s=0.05) >= n  # drafting spent already: verifying more pays more
+    rising = CostModel()
+    for t in (1, 4, 8, 16):
+        rising.observe(t, 0.010 + 0.002 * (t - 1) + 0.001 * max(0, t - 4) ** 2)  # each token dearer past 4 (a CPU)
+    alone, copied = best_tree_nodes(chances, rising), best_tree_nodes(chances, rising, extra=8)
+    assert copied < alone  # 8 copied tokens in the same verify: the head's nodes start where tokens cost more
     assert best_tree_nodes(chances, CostModel()) == len(chances)  # nothing measured yet: all of it
 
 
