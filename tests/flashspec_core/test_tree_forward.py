@@ -73,6 +73,12 @@ def slot_path(tree: DraftTree, slot: int) -> list[int]:
     return [0] + [node + 1 for node in tree.path_to(slot - 1)]
 
 
+def leaf_paths(tree: DraftTree) -> list[list[int]]:
+    """The root-to-leaf paths as slots: each slot lies on one at least, and a chain over a leaf's path gives every
+    slot on it its logits (one chain forward a leaf instead of one a slot)."""
+    return [[0] + [node + 1 for node in path] for path in tree.paths]
+
+
 @pytest.mark.parametrize("tree", [DraftTree.full((2, 2)), TREE, WIDE], ids=["full-2x2", "hand-made", "wide-49"])
 @pytest.mark.parametrize("kind", [*KINDS, "static-kernels"])
 def test_every_slot_gets_the_logits_of_a_chain_over_its_path(models, kind, tree):
@@ -86,11 +92,15 @@ def test_every_slot_gets_the_logits_of_a_chain_over_its_path(models, kind, tree)
     logits, aux = lm.forward_tree(block, tree), lm.aux
     assert logits.shape == (B, tree.N + 1, V) and lm.length == C + tree.N + 1
     assert aux.shape == (B, tree.N + 1, 2 * lm.config.hidden_size)
-    for slot in range(tree.N + 1):
+    checked = set()
+    for path in leaf_paths(tree):
         lm.crop(C)
-        chain = lm.forward(block[:, slot_path(tree, slot)])[:, -1]
-        assert_close(logits[:, slot], chain, ATOL[kind], f"slot {slot} logits")
-        assert_close(aux[:, slot], lm.aux[:, -1], ATOL[kind], f"slot {slot} aux hidden states")
+        chain = lm.forward(block[:, path])
+        for j, slot in enumerate(path):
+            assert_close(logits[:, slot], chain[:, j], ATOL[kind], f"slot {slot} logits")
+            assert_close(aux[:, slot], lm.aux[:, j], ATOL[kind], f"slot {slot} aux hidden states")
+        checked.update(path)
+    assert checked == set(range(tree.N + 1))
     lm.aux_layers = ()
 
 
