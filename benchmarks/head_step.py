@@ -1,6 +1,6 @@
 """The draft head's step against the target's one-token step, on the default CPU path (the file's 4-bit weights).
 
-    python -m benchmarks.head_step [--context 300] [--reps 200] [--repeats 5] [--intermediate 2048]
+    python -m benchmarks.head_step [--context 300] [--reps 200] [--repeats 5] [--intermediate 2048] [--tag T]
 
 One draft step is what each drafted token after the first costs: the head's layer over one token at `context`
 verified slots, then its logits over the restricted draft vocabulary and their argmax. It is timed for each way the
@@ -101,6 +101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--intermediate", type=int, default=0, help="time the shipped head with its MLP widened to this "
                     "many units (0: as shipped)")
+    ap.add_argument("--tag", default="", help="a suffix for the result file")
     args = ap.parse_args(argv)
     engine = Engine.from_preset("embedded")
     drafter = engine.drafters["draft_head"]
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
     env.update(precision=engine.precision, path=engine.target.path if hasattr(engine.target, "path") else None)
     RESULTS.mkdir(parents=True, exist_ok=True)
     width = base.cfg.intermediate_size
-    tag = f"_w{width}" if args.intermediate else ""
+    tag = (f"_w{width}" if args.intermediate else "") + (f"_{args.tag}" if args.tag else "")
     (RESULTS / f"head_step_cpu_{engine.precision}{tag}.json").write_text(json.dumps(
         {"command": "python -m benchmarks.head_step " + " ".join(sys.argv[1:] if argv is None else argv), "env": env,
          "context": args.context, "draft_vocab": drafter.limit, "intermediate": width, "ms": ms, "runs_ms": times},
