@@ -10,11 +10,13 @@ captured forward over a `--context`-slot bucket (median of 200 replays, CUDA eve
 forward launches (count, and the slowest names by total time), then the compiled forward captured the same way.
 `--layer-ops triton` measures the step with `kernels.layer_ops` (one row per choice, the same weights); `folded`
 with the norms folded into the products; `fused` with its GEMV products. `--products` then times each projection
-of the layer (and the LM head) alone at M = 1, 8 and 17 rows: cuBLAS's product, the "triton" loop's ops for the
-same job (RMSNorm kernel + cuBLAS, + silu_mul), and the fused GEMV kernel under its default tiles and a few others,
-its block variants (8 rows a program at once in registers, or 16 on the tensor cores) among them (each a CUDA graph
-of 100 calls, median replay / 100), with each fused row's largest difference from the "triton" ops and whether its
-M rows equal the rows alone bit for bit. Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
+of a layer of `--shape` (and the LM head) alone at M = 1, 8 and 17 rows (`--product-rows`): cuBLAS's product, the
+"triton" loop's ops for the same job (RMSNorm kernel + cuBLAS, + silu_mul), and the fused GEMV kernel under its
+default tiles and a few others of each of `--kinds` (the block variants: 8 rows a program at once in registers, or 16
+on the tensor cores; the stream: K in chunks, for a large K), each a CUDA graph of 100 calls, median replay / 100,
+with the weight's bytes a second, each fused row's largest difference from the "triton" ops and whether its M rows
+equal the rows alone bit for bit. The weight floor divides by the device's stated bandwidth (`HBM_BYTES_PER_S`).
+Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
 Numbers, not assertions. CUDA only.
 """
 from __future__ import annotations
@@ -33,12 +35,6 @@ from flashspec_core.fast_path import StaticCausalLM
 from kernels import layer_ops
 
 HIDDEN, INTERMEDIATE, VOCAB, HEADS, KV_HEADS, EPS = 576, 1536, 49152, 9, 3, 1e-5  # the embedded model's shape
-QKV = (HEADS + 2 * KV_HEADS) * (HIDDEN // HEADS)
-PRODUCTS = {  # name: (K, weight rows N, kind)
-    "qkv": (HIDDEN, QKV, "norm_linear"), "o": (HIDDEN, HIDDEN, "add_linear_"),
-    "gate_up": (HIDDEN, 2 * INTERMEDIATE, "norm_gate_up_silu"), "down": (INTERMEDIATE, HIDDEN, "add_linear_"),
-    "lm_head": (HIDDEN, VOCAB, "norm_linear"),
-}
 PRODUCT_ROWS = (1, 8, 17)  # one token, a verify of 8, the widest verify (17: three of the block variant's row blocks)
 
 
@@ -48,7 +44,23 @@ SHAPES = {  # --shape: the embedded model's, and a 1.1B Llama's (TinyLlama-1.1B'
     "llama-1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                        num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False),
 }
-HBM_BYTES_PER_S = 4.8e12  # an H200's memory bandwidth as its maker states it: the weight floor's divisor
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # memory bandwidth as the maker states it (H100: SXM)
+
+
+def products_of(shape: str) -> dict[str, tuple[int, int, str]]:
+    """name: (K, weight rows N, kind) of each product of a layer of `shape`, and the LM head."""
+    c = SHAPES[shape]
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    qkv = (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * (hidden // c["num_attention_heads"])
+    return {"qkv": (hidden, qkv, "norm_linear"), "o": (hidden, hidden, "add_linear_"),
+            "gate_up": (hidden, 2 * inter, "norm_gate_up_silu"), "down": (inter, hidden, "add_linear_"),
+            "lm_head": (hidden, c["vocab_size"], "norm_linear")}
+
+
+def hbm_bytes_per_s() -> float:
+    """The device's stated memory bandwidth (an H200's for a device not in HBM_BYTES_PER_S)."""
+    name = torch.cuda.get_device_name()
+    return next((b for key, b in HBM_BYTES_PER_S.items() if key in name), HBM_BYTES_PER_S["H200"])
 
 
 def build(max_len: int = 1024, layer_ops: str = "torch", shape: str = "smollm2-135m") -> StaticCausalLM:
@@ -66,7 +78,7 @@ def weight_floor_ms(lm: StaticCausalLM) -> float:
     embed = lm.model.get_input_embeddings().weight
     tied = lm.model.get_output_embeddings().weight.data_ptr() == embed.data_ptr()
     read = sum(p.numel() * p.element_size() for p in lm.model.parameters() if p is not embed or tied)
-    return 1e3 * read / HBM_BYTES_PER_S
+    return 1e3 * read / hbm_bytes_per_s()
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 200) -> float:
@@ -175,8 +187,24 @@ def product_call(kind: str, op: str, t: dict, tiles=None):
     return lambda: layer_ops.silu_mul(F.linear(layer_ops.rms_norm(x, norm, EPS), w))
 
 
-def tile_choices(M: int):
-    """The fused kernel's default tiles, then a few others (duplicates of the default are dropped by the caller)."""
+def tile_choices(M: int, kinds):
+    """The fused kernel's default tiles, then a few others, of the GEMV `kinds` (duplicates are dropped by the
+    caller)."""
+    choices = [*loop_choices(M), *stream_choices()]
+    yield from (t for t in choices if t.kind in kinds)
+
+
+def stream_choices():
+    for pdl in (False, True):  # each call a programmatic dependent launch: the next call's start overlaps its end
+        yield layer_ops.GemvTiles(kind="stream", pdl=pdl)
+        for block_n in (4, 8, 16):
+            for block_k in (256, 512, 1024):
+                yield layer_ops.GemvTiles(kind="stream", block_n=block_n, block_k=block_k, pdl=pdl)
+        for warps in (2, 8):
+            yield layer_ops.GemvTiles(kind="stream", warps=warps, pdl=pdl)
+
+
+def loop_choices(M: int):
     yield layer_ops.GemvTiles()
     for block_n in (4, 8, 16):
         yield layer_ops.GemvTiles(block_n=block_n)
@@ -193,9 +221,9 @@ def tile_choices(M: int):
     yield layer_ops.GemvTiles(kind="dot", block_k=128)
 
 
-def resolve(name: str, tiles):
-    """The tiles the fused kernel runs for product `name` (defaults filled in for the H200)."""
-    K, N, kind = PRODUCTS[name]
+def resolve(product: tuple[int, int, str], tiles):
+    """The tiles the fused kernel runs for a product (K, N, kind) (defaults filled in for this device)."""
+    K, N, kind = product
     paired = kind == "norm_gate_up_silu"
     return tiles.resolved(N // 2 if paired else N, K, paired, torch.device("cuda"))
 
@@ -211,55 +239,59 @@ def fused_checks(kind: str, t: dict, tiles, reference: torch.Tensor) -> dict:
             "rows_equal_alone": bool(torch.equal(every, alone))}
 
 
-def measure_product(name: str, M: int, op: str, tiles=None, reference=None) -> dict:
+def measure_product(name: str, product: tuple[int, int, str], M: int, op: str, tiles=None, reference=None) -> dict:
     """One row of the products table; an error becomes the row's "error"."""
-    K, N, kind = PRODUCTS[name]
+    K, N, kind = product
     row = {"product": name, "M": M, "K": K, "N": N, "op": op}
     try:
         t = product_inputs(K, N, kind, M)
         if tiles is not None:
-            row["tiles"] = vars(resolve(name, tiles))
+            row["tiles"] = vars(resolve(product, tiles))
             row.update(fused_checks(kind, t, tiles, reference))
         row["us"] = per_call_us(product_call(kind, op, t, tiles))
+        row["tb_per_s"] = N * K * 2 / row["us"] / 1e6  # the bf16 weight's bytes a microsecond, in TB/s
     except Exception as e:  # noqa: BLE001 - a failed kernel is a result; the other rows still run
         row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
     return row
 
 
 @torch.inference_mode()
-def products(write_rows) -> list[dict]:
-    """Every product at each M of PRODUCT_ROWS: cuBLAS, the "triton" ops, the fused kernel under each tile choice."""
+def products(write_rows, shape: str, kinds, rows_at=PRODUCT_ROWS) -> list[dict]:
+    """Every product of `shape` at each M of rows_at: cuBLAS, the "triton" ops, the fused kernel under each tile
+    choice of the GEMV `kinds`."""
     rows = []
-    for name, (K, N, kind) in PRODUCTS.items():
-        for M in PRODUCT_ROWS:
+    for name, product in products_of(shape).items():
+        K, N, kind = product
+        for M in rows_at:
             for op in ("cublas", "triton"):
-                rows.append(measure_product(name, M, op))
+                rows.append(measure_product(name, product, M, op))
                 write_rows(rows)
             t = product_inputs(K, N, kind, M)
             reference = product_call(kind, "triton", {**t, "x": t["x"].clone()})()
             seen = set()
-            for tiles in tile_choices(M):
-                if resolve(name, tiles) not in seen:
-                    seen.add(resolve(name, tiles))
-                    rows.append(measure_product(name, M, "fused", tiles, reference))
+            for tiles in tile_choices(M, kinds):
+                if resolve(product, tiles) not in seen:
+                    seen.add(resolve(product, tiles))
+                    rows.append(measure_product(name, product, M, "fused", tiles, reference))
                     write_rows(rows)
     return rows
 
 
 def print_products(rows: list[dict]) -> None:
-    print("\n| product | M | op | kind | block_n | rows (loop) / at once | warps | block_k | us | x cuBLAS | "
+    print("\n| product | M | op | kind | block_n | rows (loop, stream) / at once | warps | block_k | us | TB/s | x cuBLAS | "
           "max diff vs triton | rows = alone |")
-    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     base = {(r["product"], r["M"]): r.get("us") for r in rows if r["op"] == "cublas"}
     for r in rows:
         if "error" in r:
-            print(f"| {r['product']} | {r['M']} | {r['op']} | | | | | | failed: {r['error']} | | | |")
+            print(f"| {r['product']} | {r['M']} | {r['op']} | | | | | | failed: {r['error']} | | | | |")
             continue
         t, cublas = r.get("tiles", {}), base.get((r["product"], r["M"]))
         ratio = f"{r['us'] / cublas:.2f}" if cublas else "-"
-        rows_ = t.get("rows", "") if t.get("kind") == "loop" else t.get("block_rows", "")
-        print(f"| {r['product']} | {r['M']} | {r['op']} | {t.get('kind', '')} | {t.get('block_n', '')} | {rows_} | "
-              f"{t.get('warps', '')} | {t.get('block_k') or ''} | {r['us']:.2f} | {ratio} | "
+        rows_ = t.get("rows", "") if t.get("kind") in ("loop", "stream") else t.get("block_rows", "")
+        kind = t.get("kind", "") + ("" if t.get("unroll", True) else " (loop)") + (" pdl" if t.get("pdl") else "")
+        print(f"| {r['product']} | {r['M']} | {r['op']} | {kind} | {t.get('block_n', '')} | {rows_} | "
+              f"{t.get('warps', '')} | {t.get('block_k') or ''} | {r['us']:.2f} | {r['tb_per_s']:.2f} | {ratio} | "
               f"{r.get('max_diff_vs_triton', '')} | {r.get('rows_equal_alone', '')} |")
 
 
@@ -279,7 +311,8 @@ def step_rows(args, argv) -> list[dict]:
     rows, first = [], {}
     for ops in args.layer_ops:
         name, _, kind = ops.partition(":")  # fused:block = the fused products of that GEMV kind
-        layer_ops.GEMV_KIND = kind or "loop"
+        kind, _, flag = kind.partition("+")  # fused:stream+pdl: its programmatic dependent launches
+        layer_ops.GEMV_KIND, layer_ops.GEMV_PDL = kind or "loop", flag == "pdl"
         try:
             lm = build(layer_ops=name, shape=args.shape)
         except Exception as e:  # noqa: BLE001 - the other choices still run
@@ -329,11 +362,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--compile-tokens", type=int, nargs="*", default=[1], help="token counts also compiled")
     ap.add_argument("--layer-ops", nargs="*", default=["torch"],
-                    choices=["torch", "triton", "folded", "fused", *(f"fused:{k}" for k in layer_ops.KINDS)],
+                    choices=["torch", "triton", "folded", "fused", *(f"fused:{k}" for k in layer_ops.KINDS),
+                             "fused:stream+pdl"],
                     help="the step under each choice (none: no step rows; fused:KIND, the products of that GEMV kind)")
     ap.add_argument("--tag", default="", help="a suffix for the results file")
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES),
-                    help="random weights of this shape for the step rows (the products are the embedded model's)")
+                    help="random weights of this shape for the step rows and the products")
+    ap.add_argument("--kinds", nargs="*", default=list(layer_ops.KINDS), choices=layer_ops.KINDS,
+                    help="the GEMV kinds whose tiles --products sweeps")
+    ap.add_argument("--product-rows", type=int, nargs="*", default=list(PRODUCT_ROWS), help="M of --products")
     ap.add_argument("--products", action="store_true",
                     help=f"also time each projection alone at M = {', '.join(map(str, PRODUCT_ROWS))}: cuBLAS, the "
                          "triton ops, the fused GEMV under several tiles")
@@ -343,7 +380,8 @@ def main(argv=None) -> int:
     rows = step_rows(args, argv)
     print_steps(rows)
     if args.products:
-        print_products(products(lambda product_rows: write(rows, args, argv, product_rows)))
+        print_products(products(lambda product_rows: write(rows, args, argv, product_rows), args.shape, args.kinds,
+                                args.product_rows))
     return 0
 
 

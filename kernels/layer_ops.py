@@ -339,6 +339,77 @@ if triton is not None:
         tl.store(at, _round(y, dt).to(dt), mask=live)
 
     @triton.jit
+    def _stream_chunk(acc, acc_up, w, w_up, row_ptr, norm_ptr, k, live_k, scale, NORM: tl.constexpr,
+                      SILU: tl.constexpr, dt: tl.constexpr):
+        """`_gemv_stream_kernel`'s K chunk k: the row's h (normed with NORM, rounded to dt) times the weight tile w
+        (and w_up: the up rows), added into the float32 tiles acc (and acc_up)."""
+        h = tl.load(row_ptr + k, mask=live_k, other=0.0).to(tl.float32)
+        if NORM:
+            h = _scaled(h, scale, tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32), dt)
+        acc += w.to(tl.float32) * h[None, :]
+        if SILU:
+            acc_up += w_up.to(tl.float32) * h[None, :]
+        return acc, acc_up
+
+    @triton.jit
+    def _raw_tile(w_ptr, n, k, live_n, live_k, K):
+        """Rows n of a row-major [*, K] weight, columns k (zeros where n or k is out of range), in its dtype."""
+        return tl.load(w_ptr + n[:, None] * K + k[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
+
+    @triton.jit(do_not_specialize=["M", "rows"])
+    def _gemv_stream_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, rows, K: tl.constexpr, NORM: tl.constexpr,
+                            SILU: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            KP: tl.constexpr, UNROLL: tl.constexpr, GDC: tl.constexpr):
+        """`_gemv_kernel`'s job for a large K: one program per (BLOCK_N outputs, `rows` rows), each row in turn
+        streaming the weight tile in BLOCK_K chunks (UNROLL: unrolled, else a loop) into a [BLOCK_N, BLOCK_K]
+        float32 tile of products, summed once at the end (tl.sum). The first chunk's weights are loaded once,
+        before the rows: with GDC (a programmatic dependent launch) before waiting for the kernel before this
+        one, whose outputs are this one's rows, so a chain of products streams weights across its kernels'
+        boundaries. The row's RMSNorm scale (NORM) is `_row_scale`'s over the whole row (KP: K's power of two);
+        the roundings are `_gemv_kernel`'s. Every row runs the same code whatever M, so a row's bits do not
+        depend on M or on the rows beside it."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live_n = n < N
+        dt = out_ptr.dtype.element_ty
+        k0 = tl.arange(0, BLOCK_K)
+        w0 = _raw_tile(w_ptr, n, k0, live_n, k0 < K, K)
+        w0_up = _raw_tile(w_ptr + N * K, n, k0, live_n, (k0 < K) & SILU, K)  # all masked (no load) without SILU
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        m = tl.program_id(1) * rows
+        last = tl.minimum(m + rows, M)
+        while m < last:  # a while loop: a runtime range() bound breaks the interpreter (see kernels/verify.py)
+            row = a_ptr + m * K
+            scale = 1.0
+            if NORM:
+                scale = _row_scale(a_ptr, m, K, eps, KP)
+            if ADD:
+                residual = tl.load(out_ptr + m * N + n, mask=live_n, other=0.0).to(tl.float32)
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc, acc_up = _stream_chunk(acc, acc_up, w0, w0_up, row, norm_ptr, k0, k0 < K, scale, NORM, SILU, dt)
+            if UNROLL:
+                for c in tl.static_range(BLOCK_K, K, BLOCK_K):
+                    k = c + k0
+                    acc, acc_up = _stream_chunk(acc, acc_up, _raw_tile(w_ptr, n, k, live_n, k < K, K),
+                                                _raw_tile(w_ptr + N * K, n, k, live_n, (k < K) & SILU, K), row,
+                                                norm_ptr, k, k < K, scale, NORM, SILU, dt)
+            else:
+                for c in range(BLOCK_K, K, BLOCK_K):
+                    k = c + k0
+                    acc, acc_up = _stream_chunk(acc, acc_up, _raw_tile(w_ptr, n, k, live_n, k < K, K),
+                                                _raw_tile(w_ptr + N * K, n, k, live_n, (k < K) & SILU, K), row,
+                                                norm_ptr, k, k < K, scale, NORM, SILU, dt)
+            y = tl.sum(acc, axis=1)
+            if SILU:
+                y = _silu_mul(_round(y, dt), _round(tl.sum(acc_up, axis=1), dt), dt)
+            if ADD:
+                y += residual
+            tl.store(out_ptr + m * N + n, _round(y, dt).to(dt), mask=live_n)
+            m += 1
+
+    @triton.jit
     def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, slot_ptr, part_ptr, T, S, scaling, k_batch, k_head,
                                k_slot, v_batch, v_head, v_slot, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                                CHUNK: tl.constexpr, CHUNKS: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr,
@@ -399,9 +470,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multi
 _TL = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 CHUNK = 64  # keys a program of the attention takes
 ROWS = 4  # rows a GEMV program takes in turn (more rows go to more programs, which read the same weight tiles)
-KINDS = ("loop", "block", "dot")  # the GEMV variants (GemvTiles.kind)
+KINDS = ("loop", "block", "dot", "stream")  # the GEMV variants (GemvTiles.kind)
 BLOCK_ROWS = {"block": 8, "dot": 16}  # rows a program of the block variants takes at once (never M's; tl.dot: >= 16)
 BLOCK_K = 64  # the K chunk of the block variants (576 = 9 chunks: no padding for the embedded model)
+STREAM_K = 1024  # the stream variant's K chunk (at most K's power of two)
+GEMV_PDL = os.environ.get("FLASHSPEC_GEMV_PDL", "0") == "1"  # the stream's programmatic dependent launch by default
 GEMV_KIND = os.environ.get("FLASHSPEC_GEMV", "loop")  # the products' kind by default (GemvTiles.kind; A/B runs)
 
 
@@ -411,15 +484,19 @@ class GemvTiles:
     bits; `kind`, `block_n`, `warps`, `block_rows` and `block_k` change the order of the sums, so they must not
     depend on M (the defaults depend on the weight's shape and the device only). Kinds: "loop" takes a program's
     rows in turn, each over its whole weight tile; "block" takes `block_rows` rows at once, K in chunks, products
-    summed in registers; "dot" the same on the tensor cores."""
+    summed in registers; "dot" the same on the tensor cores; "stream" takes its rows in turn like the loop, each
+    streaming the weight tile in `block_k` chunks (a large K: a 1.1B model's products)."""
 
     kind: str = "loop"
     block_n: int | None = None  # outputs a program computes (None: loop 16, 8 or 4, the largest giving every SM one;
-    #                             block 4; dot 16)
-    rows: int = ROWS  # rows a program takes in turn (the loop's only)
+    #                             block 4; dot 16; stream 8 where that gives every SM two, else 4)
+    rows: int = ROWS  # rows a program takes in turn (the loop's and the stream's)
     warps: int | None = None  # warps a program runs (None: 4, or 8 for loop tiles of over 4096 values)
     block_rows: int | None = None  # the block variants' rows at once (None: BLOCK_ROWS[kind])
-    block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K)
+    block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K; stream: STREAM_K)
+    unroll: bool = True  # the stream's K chunks unrolled (else a loop)
+    pdl: bool | None = None  # the stream launched as a programmatic dependent launch (None: GEMV_PDL where the GPU
+    #                          has it, compute capability 9+; never under the interpreter)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -434,14 +511,22 @@ class GemvTiles:
             raise ValueError(f"tl.dot needs blocks of at least 16, got {self}")
         if self.kind == "loop" and (self.block_k or self.block_rows):
             raise ValueError(f"block_k and block_rows are the block variants', not the loop's: {self}")
+        if self.kind == "stream" and self.block_rows:
+            raise ValueError(f"block_rows is the block variants', not the stream's: {self}")
 
     def resolved(self, n_out: int, K: int, paired: bool, device: torch.device) -> "GemvTiles":
         """These tiles with the defaults filled in for n_out outputs over K inputs (paired: two weight rows each)."""
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        if self.kind == "stream":
+            block_n = self.block_n or (8 if triton.cdiv(n_out, 8) >= 2 * sms else 4)
+            pdl = GEMV_PDL if self.pdl is None else self.pdl
+            pdl = pdl and not INTERPRETED and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+            return replace(self, block_n=block_n, warps=self.warps or 4, pdl=pdl,
+                           block_k=min(self.block_k or STREAM_K, triton.next_power_of_2(K)))
         if self.kind != "loop":
             return replace(self, block_n=self.block_n or (16 if self.kind == "dot" else 4), warps=self.warps or 4,
                            block_rows=self.block_rows or BLOCK_ROWS[self.kind], block_k=self.block_k or BLOCK_K)
         # the interpreter runs its programs one after another: as if on one SM, the fewest programs
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         block_n = self.block_n or next((b for b in (16, 8) if triton.cdiv(n_out, b) >= sms), 4)
         values = block_n * triton.next_power_of_2(K) * (2 if paired else 1)
         return replace(self, block_n=block_n, warps=self.warps or (4 if values <= 4096 else 8))
@@ -604,6 +689,13 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu
                          f"{weight.stride()}")
     n_out = out.shape[1]
     tiles = (tiles or GemvTiles(kind=GEMV_KIND)).resolved(n_out, K, silu, a.device)
+    if tiles.kind == "stream":
+        _gemv_stream_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))](
+            a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, eps, tiles.rows, K=K,
+            NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            KP=triton.next_power_of_2(K), UNROLL=tiles.unroll, GDC=tiles.pdl, num_warps=tiles.warps,
+            **({"launch_pdl": True} if tiles.pdl else {}))
+        return out
     if tiles.kind != "loop":
         wide = tl.float32 if INTERPRETED else _TL[out.dtype]  # the interpreter's tl.dot: float32 (exact for bf16)
         _gemv_block_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.block_rows))](

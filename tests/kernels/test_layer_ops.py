@@ -409,10 +409,16 @@ def close(got, want, dtype) -> bool:
     return torch.allclose(got.float(), want.float(), rtol=tol, atol=2 * tol)
 
 
-BLOCKS = {kind: layer_ops.GemvTiles(kind=kind) for kind in ("block", "dot")}
+BLOCKS = {kind: layer_ops.GemvTiles(kind=kind) for kind in ("block", "dot", "stream")}
+BLOCKS["stream-loop"] = layer_ops.GemvTiles(kind="stream", block_k=64, unroll=False)  # K in several chunks, a loop
 
 
-@pytest.mark.parametrize("tiles", [layer_ops.GemvTiles(), *BLOCKS.values()], ids=["loop", *BLOCKS])
+ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                               reason="a programmatic dependent launch needs a GPU of compute capability 9 or more")
+PDL = pytest.param(layer_ops.GemvTiles(kind="stream", pdl=True), marks=ON_HOPPER, id="stream-pdl")
+
+
+@pytest.mark.parametrize("tiles", [layer_ops.GemvTiles(), *BLOCKS.values(), PDL], ids=["loop", *BLOCKS, "stream-pdl"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M,K,N", [(5, 96, 42), (3, 576, 40), (2, 1536, 24)],
                          ids=["irregular", "hidden-576", "intermediate-1536"])
@@ -458,10 +464,10 @@ def test_a_rows_fused_products_do_not_depend_on_the_other_rows(device, dtype):
             assert torch.equal(product(slice(m, m + 1), tiles=narrow), every[m:m + 1]), (name, m)
 
 
-@pytest.mark.parametrize("kind", list(BLOCKS))
+@pytest.mark.parametrize("kind", [k for k in BLOCKS if k != "stream-loop"])  # its loop: the same code
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=ON_A_GPU)])
 def test_the_block_variants_rows_do_not_depend_on_m_or_their_neighbours(device, dtype, kind):
-    """The block variants (8 rows a program at once; tl.dot: 16): rows computed alone (M = 1, masked rows beside
+    """The block variants (8 rows a program at once; tl.dot: 16) and the stream: rows computed alone (M = 1, masked rows beside
     them), among 11, and among 17 (two or three row blocks): the same bits; and within a rounding of the GEMV loop
     (another order of sums)."""
     x, norm, weight, a = product_inputs(17, 576, 48, dtype, device, seed=8)
@@ -490,3 +496,5 @@ def test_the_gemv_tiles_refuse_what_their_kernels_cannot_take():
         layer_ops.GemvTiles(kind="block", block_rows=6)
     with pytest.raises(ValueError, match="kind must be"):
         layer_ops.GemvTiles(kind="tiles")
+    with pytest.raises(ValueError, match="not the stream's"):
+        layer_ops.GemvTiles(kind="stream", block_rows=8)
