@@ -310,9 +310,9 @@ def step_rows(args, argv) -> list[dict]:
     """The step's rows, one per (layer ops, token count); a failure becomes the row's "error"."""
     rows, first = [], {}
     for ops in args.layer_ops:
-        name, _, kind = ops.partition(":")  # fused:block = the fused products of that GEMV kind
-        kind, _, flag = kind.partition("+")  # fused:stream+pdl: its programmatic dependent launches
-        layer_ops.GEMV_KIND, layer_ops.GEMV_PDL = kind or "loop", flag == "pdl"
+        choice, _, flag = ops.partition("+")  # folded+pdl: the Triton kernels as programmatic dependent launches
+        name, _, kind = choice.partition(":")  # fused:block = the fused products of that GEMV kind
+        layer_ops.GEMV_KIND, layer_ops.PDL = kind or "loop", flag == "pdl"
         try:
             lm = build(layer_ops=name, shape=args.shape)
         except Exception as e:  # noqa: BLE001 - the other choices still run
@@ -362,9 +362,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--compile-tokens", type=int, nargs="*", default=[1], help="token counts also compiled")
     ap.add_argument("--layer-ops", nargs="*", default=["torch"],
-                    choices=["torch", "triton", "folded", "fused", *(f"fused:{k}" for k in layer_ops.KINDS),
-                             "fused:stream+pdl"],
-                    help="the step under each choice (none: no step rows; fused:KIND, the products of that GEMV kind)")
+                    choices=[c + pdl for pdl in ("", "+pdl") for c in ("torch", "triton", "folded", "fused",
+                                                                        *(f"fused:{k}" for k in layer_ops.KINDS))],
+                    help="the step under each choice (none: no step rows; fused:KIND, the products of that GEMV "
+                         "kind; +pdl: the Triton kernels as programmatic dependent launches, FLASHSPEC_PDL=1)")
     ap.add_argument("--tag", default="", help="a suffix for the results file")
     ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES),
                     help="random weights of this shape for the step rows and the products")

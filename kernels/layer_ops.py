@@ -32,6 +32,7 @@ silu, the attention's softmax) under TRITON_INTERPRET=1 and on a GPU.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -127,6 +128,14 @@ def attention_torch(q, k, v, mask, scaling: float, shape, slots=None) -> torch.T
 if triton is not None:
 
     @triton.jit
+    def _wait_for_inputs(GDC: tl.constexpr):
+        """Under a programmatic dependent launch (GDC), let the next kernel launch, then wait until the kernel
+        before this one is done and its writes are seen: before any of this kernel's loads and stores."""
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
+    @triton.jit
     def _round(x, dt: tl.constexpr):
         """float32 x rounded to dt's precision, to nearest even, kept in float32 (bfloat16 by its bits: Triton's
         interpreter truncates when it converts to bfloat16, the GPU rounds; this is the same on both)."""
@@ -168,11 +177,12 @@ if triton is not None:
     @triton.jit
     def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, at_ptr, at_stride, pos_ptr, kv_ptr, q_ptr, T, capacity,
                            rows_ptr, N, eps, B: tl.constexpr, H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
-                           AT: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr):
+                           AT: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, GDC: tl.constexpr):
         """One program per (token, head) of qkv: rotate (q, k), then store into q's layout or the cache. Token t
         reads row t of cos and sin, or (AT) row at[t] of them as tables (at's elements at_stride apart: 0 for one
         position expanded over a tree level's nodes). NORM: qkv is a product over rows' raw rows, each value first
         scaled by its row's RMSNorm scale and rounded."""
+        _wait_for_inputs(GDC)
         row, head = tl.program_id(0), tl.program_id(1)
         b, t = row // T, row % T
         d = tl.arange(0, D)
@@ -197,8 +207,9 @@ if triton is not None:
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, I, rows_ptr, N, eps, BLOCK: tl.constexpr, NORM: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, GDC: tl.constexpr):
         """silu(g) * u of a row [g | u]; NORM: g and u first scaled by rows' row's RMSNorm scale and rounded."""
+        _wait_for_inputs(GDC)
         row, blk = tl.program_id(0), tl.program_id(1)
         i = blk * BLOCK + tl.arange(0, BLOCK)
         keep = i < I
@@ -221,15 +232,17 @@ if triton is not None:
         tl.store(out_ptr + n, _normed(x.to(tl.float32), w, N, eps, x.dtype).to(x.dtype), mask=keep)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, eps, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        _wait_for_inputs(GDC)
         row = tl.program_id(0)
         _norm_row(x_ptr + row * N, w_ptr, out_ptr + row * N, N, eps, BLOCK)
 
     @triton.jit
     def _rms_norm_pair_kernel(a_ptr, a_rows_ptr, wa_ptr, b_ptr, wb_ptr, out_ptr, N, eps, BLOCK: tl.constexpr,
-                              GATHER: tl.constexpr):
+                              GATHER: tl.constexpr, GDC: tl.constexpr):
         """Program (row, side): side 0 norms a's row (GATHER: row a_rows[row] of a) into out[row, :N], side 1 b's
         into out[row, N:] ([rows, 2N])."""
+        _wait_for_inputs(GDC)
         row, side = tl.program_id(0), tl.program_id(1)
         out = out_ptr + row * 2 * N + side * N
         if side == 0:
@@ -246,7 +259,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M", "rows"])
     def _gemv_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, K, eps, rows, NORM: tl.constexpr, SILU: tl.constexpr,
-                     ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):
         """out [M, N] from the rows of a [M, K] and a weight [N, K] ([2N, K] with SILU): one program per (BLOCK_N
         outputs, `rows` rows). It loads its whole weight tile at once (with SILU two: gate rows n, up rows N + n),
         then takes its rows in turn (the next row's load in flight meanwhile): the row RMSNorm'd (NORM), the
@@ -263,6 +276,7 @@ if triton is not None:
             w_up = _tile(w_ptr + N * K, n, k, live_n, live_k, K)
         if NORM:
             norm = tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32)
+        _wait_for_inputs(GDC)  # the weights (never written) loaded before the wait
         first = tl.program_id(1) * rows
         last = tl.minimum(first + rows, M)
         a = tl.load(a_ptr + first * K + k, mask=live_k, other=0.0)
@@ -374,9 +388,7 @@ if triton is not None:
         k0 = tl.arange(0, BLOCK_K)
         w0 = _raw_tile(w_ptr, n, k0, live_n, k0 < K, K)
         w0_up = _raw_tile(w_ptr + N * K, n, k0, live_n, (k0 < K) & SILU, K)  # all masked (no load) without SILU
-        if GDC:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+        _wait_for_inputs(GDC)  # the first chunk's weights (never written) loaded before the wait
         m = tl.program_id(1) * rows
         last = tl.minimum(m + rows, M)
         while m < last:  # a while loop: a runtime range() bound breaks the interpreter (see kernels/verify.py)
@@ -413,12 +425,13 @@ if triton is not None:
     def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, slot_ptr, part_ptr, T, S, scaling, k_batch, k_head,
                                k_slot, v_batch, v_head, v_slot, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
                                CHUNK: tl.constexpr, CHUNKS: tl.constexpr, WIDE: tl.constexpr, GATHER: tl.constexpr,
-                               VISIBLE: tl.constexpr):
+                               VISIBLE: tl.constexpr, GDC: tl.constexpr):
         """One program per (batch row and kv head, token t, chunk c of CHUNK keys): the R query heads' softmax
         over the chunk's keys, unnormalised (its max, its sum, p @ v), into part [B*KV, T, CHUNKS, 16, D + 2].
         The R rows are padded to 16 for the tensor cores; a token's rows never meet another token's. GATHER: key
         n of token t is the cache's slot slots[t, n] (slot_ptr, int32 [T, S]), else slot n. VISIBLE: the mask is
         [T, S] bytes, nonzero where token t sees key n (for all R heads), else additive [R*T, S]."""
+        _wait_for_inputs(GDC)
         bk, t, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, kvh = bk // KV, bk % KV
         r, d = tl.arange(0, 16), tl.arange(0, D)
@@ -449,10 +462,11 @@ if triton is not None:
 
     @triton.jit
     def _attention_merge_kernel(part_ptr, o_ptr, T, used, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
-                                CHUNKS: tl.constexpr):
+                                CHUNKS: tl.constexpr, GDC: tl.constexpr):
         """One program per (batch row and kv head, token t, query head r): the chunks' softmaxes merged. It reads
         CHUNKS (the cache's capacity) chunks whatever the context bucket, the unused ones as empty, so the sums
         keep one order and a token gets the same bits in every bucket and verify width as in a one-token step."""
+        _wait_for_inputs(GDC)
         bk, t, r = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         c, d = tl.arange(0, CHUNKS), tl.arange(0, D)
         at = part_ptr + ((bk * T + t) * CHUNKS + c) * 16 * (D + 2) + r * (D + 2)
@@ -474,7 +488,7 @@ KINDS = ("loop", "block", "dot", "stream")  # the GEMV variants (GemvTiles.kind)
 BLOCK_ROWS = {"block": 8, "dot": 16}  # rows a program of the block variants takes at once (never M's; tl.dot: >= 16)
 BLOCK_K = 64  # the K chunk of the block variants (576 = 9 chunks: no padding for the embedded model)
 STREAM_K = 1024  # the stream variant's K chunk (at most K's power of two)
-GEMV_PDL = os.environ.get("FLASHSPEC_GEMV_PDL", "0") == "1"  # the stream's programmatic dependent launch by default
+PDL = os.environ.get("FLASHSPEC_PDL", "0") == "1"  # the kernels here as programmatic dependent launches (`pdl_on`)
 GEMV_KIND = os.environ.get("FLASHSPEC_GEMV", "loop")  # the products' kind by default (GemvTiles.kind; A/B runs)
 
 
@@ -495,8 +509,7 @@ class GemvTiles:
     block_rows: int | None = None  # the block variants' rows at once (None: BLOCK_ROWS[kind])
     block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K; stream: STREAM_K)
     unroll: bool = True  # the stream's K chunks unrolled (else a loop)
-    pdl: bool | None = None  # the stream launched as a programmatic dependent launch (None: GEMV_PDL where the GPU
-    #                          has it, compute capability 9+; never under the interpreter)
+    pdl: bool | None = None  # the loop's and the stream's programmatic dependent launch (None: `pdl_on`'s)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -519,9 +532,7 @@ class GemvTiles:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         if self.kind == "stream":
             block_n = self.block_n or (8 if triton.cdiv(n_out, 8) >= 2 * sms else 4)
-            pdl = GEMV_PDL if self.pdl is None else self.pdl
-            pdl = pdl and not INTERPRETED and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-            return replace(self, block_n=block_n, warps=self.warps or 4, pdl=pdl,
+            return replace(self, block_n=block_n, warps=self.warps or 4, pdl=self._pdl(device),
                            block_k=min(self.block_k or STREAM_K, triton.next_power_of_2(K)))
         if self.kind != "loop":
             return replace(self, block_n=self.block_n or (16 if self.kind == "dot" else 4), warps=self.warps or 4,
@@ -529,7 +540,34 @@ class GemvTiles:
         # the interpreter runs its programs one after another: as if on one SM, the fewest programs
         block_n = self.block_n or next((b for b in (16, 8) if triton.cdiv(n_out, b) >= sms), 4)
         values = block_n * triton.next_power_of_2(K) * (2 if paired else 1)
-        return replace(self, block_n=block_n, warps=self.warps or (4 if values <= 4096 else 8))
+        return replace(self, block_n=block_n, warps=self.warps or (4 if values <= 4096 else 8), pdl=self._pdl(device))
+
+    def _pdl(self, device: torch.device) -> bool:
+        return pdl_on(device) if self.pdl is None else self.pdl and hopper(device)
+
+
+def hopper(device: torch.device) -> bool:
+    """Whether the device runs programmatic dependent launches: a GPU of compute capability 9+, not the interpreter."""
+    return not INTERPRETED and device.type == "cuda" and _capability(device.index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_on(device: torch.device) -> bool:
+    """Whether the kernels here launch as programmatic dependent launches (PDL: FLASHSPEC_PDL=1, on a `hopper`
+    device): each lets the next kernel launch at once and waits for the one before it inside (`_wait_for_inputs`),
+    so a chain of kernels inside a CUDA graph overlaps its launch gaps, and the GEMVs read their first weights
+    during the kernel before. The same arithmetic, the same bits."""
+    return PDL and hopper(device)
+
+
+def _launch(device: torch.device, pdl: bool | None = None) -> dict:
+    """A kernel's GDC argument and launch keywords: a programmatic dependent launch where `pdl` (None: `pdl_on`)."""
+    on = pdl_on(device) if pdl is None else pdl
+    return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
 
 
 def auto(device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str:
@@ -572,9 +610,9 @@ def attention(q, k, v, mask, scaling: float, shape, slots=None) -> torch.Tensor:
                                               k if slots is None else slots, part, T, S, scaling,
                                               *k.stride()[:3], *v.stride()[:3], KV=KV, R=R, D=D, CHUNK=CHUNK,
                                               CHUNKS=chunks, WIDE=tl.float32 if INTERPRETED else _TL[q.dtype],
-                                              GATHER=slots is not None, VISIBLE=visible)
+                                              GATHER=slots is not None, VISIBLE=visible, **_launch(q.device))
     o = torch.empty(B * T, H * D, dtype=q.dtype, device=q.device)
-    _attention_merge_kernel[(B * KV, T, R)](part, o, T, used, KV=KV, R=R, D=D, CHUNKS=chunks)
+    _attention_merge_kernel[(B * KV, T, R)](part, o, T, used, KV=KV, R=R, D=D, CHUNKS=chunks, **_launch(q.device))
     return o
 
 
@@ -593,7 +631,7 @@ def rope_and_cache(qkv, cos, sin, pos, kv, shape, at: torch.Tensor | None = None
                                             1 if rows is None else rows.shape[1], eps,
                                             B=B, H=H, KV=KV, D=D, AT=at is not None, NORM=rows is not None,
                                             BLOCK_N=1 if rows is None else triton.next_power_of_2(rows.shape[1]),
-                                            enable_fp_fusion=False)
+                                            enable_fp_fusion=False, **_launch(qkv.device))
     return q
 
 
@@ -606,7 +644,8 @@ def silu_mul(gate_up: torch.Tensor, rows=None, eps: float = 0.0) -> torch.Tensor
     _silu_mul_kernel[(M, triton.cdiv(I, BLOCK))](gate_up, out, I, gate_up if rows is None else rows,
                                                  1 if rows is None else rows.shape[1], eps, BLOCK=BLOCK,
                                                  NORM=rows is not None,
-                                                 BLOCK_N=1 if rows is None else triton.next_power_of_2(rows.shape[1]))
+                                                 BLOCK_N=1 if rows is None else triton.next_power_of_2(rows.shape[1]),
+                                                 **_launch(gate_up.device))
     return out
 
 
@@ -625,7 +664,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, N).contiguous()  # a copy only where x is a strided view (the final norm's kept rows, an
     # expanded row: the kernel steps N elements a row)
     out = torch.empty_like(rows)
-    _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, N, eps, BLOCK=triton.next_power_of_2(N))
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight.contiguous(), out, N, eps, BLOCK=triton.next_power_of_2(N),
+                                       **_launch(x.device))
     return out.view(x.shape)
 
 
@@ -644,7 +684,7 @@ def rms_norm_pair(a: torch.Tensor, a_weight: torch.Tensor, b: torch.Tensor, b_we
     out = torch.empty(rows_b.shape[0], 2 * N, dtype=a.dtype, device=a.device)
     _rms_norm_pair_kernel[(rows_b.shape[0], 2)](rows_a, index, a_weight.contiguous(), rows_b, b_weight.contiguous(),
                                                 out, N, eps, BLOCK=triton.next_power_of_2(N),
-                                                GATHER=a_rows is not None)
+                                                GATHER=a_rows is not None, **_launch(b.device))
     return out.view(*b.shape[:-1], 2 * N)
 
 
@@ -693,8 +733,7 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu
         _gemv_stream_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))](
             a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, eps, tiles.rows, K=K,
             NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            KP=triton.next_power_of_2(K), UNROLL=tiles.unroll, GDC=tiles.pdl, num_warps=tiles.warps,
-            **({"launch_pdl": True} if tiles.pdl else {}))
+            KP=triton.next_power_of_2(K), UNROLL=tiles.unroll, num_warps=tiles.warps, **_launch(a.device, tiles.pdl))
         return out
     if tiles.kind != "loop":
         wide = tl.float32 if INTERPRETED else _TL[out.dtype]  # the interpreter's tl.dot: float32 (exact for bf16)
@@ -706,5 +745,5 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu
     grid = (triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))
     _gemv_kernel[grid](a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, K, eps, tiles.rows,
                        NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n,
-                       BLOCK_K=triton.next_power_of_2(K), num_warps=tiles.warps)
+                       BLOCK_K=triton.next_power_of_2(K), num_warps=tiles.warps, **_launch(a.device, tiles.pdl))
     return out

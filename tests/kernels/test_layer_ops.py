@@ -498,3 +498,14 @@ def test_the_gemv_tiles_refuse_what_their_kernels_cannot_take():
         layer_ops.GemvTiles(kind="tiles")
     with pytest.raises(ValueError, match="not the stream's"):
         layer_ops.GemvTiles(kind="stream", block_rows=8)
+
+
+def test_programmatic_dependent_launches_stay_off_where_the_device_has_none(monkeypatch):
+    """FLASHSPEC_PDL asks for them; a CPU (or the interpreter) never gets them, and a GEMV's tiles say so."""
+    monkeypatch.setattr(layer_ops, "PDL", True)
+    cpu = torch.device("cpu")
+    assert not layer_ops.pdl_on(cpu) and layer_ops._launch(cpu) == {"GDC": False}
+    assert layer_ops._launch(cpu, pdl=False) == {"GDC": False}
+    for kind in ("loop", "stream"):
+        assert layer_ops.GemvTiles(kind=kind).resolved(64, 576, False, cpu).pdl is False
+        assert layer_ops.GemvTiles(kind=kind, pdl=True).resolved(64, 576, False, cpu).pdl is False
