@@ -409,16 +409,18 @@ def close(got, want, dtype) -> bool:
     return torch.allclose(got.float(), want.float(), rtol=tol, atol=2 * tol)
 
 
-BLOCKS = {kind: layer_ops.GemvTiles(kind=kind) for kind in ("block", "dot", "stream")}
+BLOCKS = {kind: layer_ops.GemvTiles(kind=kind) for kind in ("block", "dot", "stream", "rows")}
 BLOCKS["stream-loop"] = layer_ops.GemvTiles(kind="stream", block_k=64, unroll=False)  # K in several chunks, a loop
 
 
 ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                                reason="a programmatic dependent launch needs a GPU of compute capability 9 or more")
-PDL = pytest.param(layer_ops.GemvTiles(kind="stream", pdl=True), marks=ON_HOPPER, id="stream-pdl")
+PDL = [pytest.param(layer_ops.GemvTiles(kind=kind, pdl=True), marks=ON_HOPPER, id=f"{kind}-pdl")
+       for kind in ("stream", "rows")]
 
 
-@pytest.mark.parametrize("tiles", [layer_ops.GemvTiles(), *BLOCKS.values(), PDL], ids=["loop", *BLOCKS, "stream-pdl"])
+@pytest.mark.parametrize("tiles", [layer_ops.GemvTiles(), *BLOCKS.values(), *PDL], ids=["loop", *BLOCKS, "stream-pdl",
+                                                                                       "rows-pdl"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M,K,N", [(5, 96, 42), (3, 576, 40), (2, 1536, 24)],
                          ids=["irregular", "hidden-576", "intermediate-1536"])
