@@ -14,9 +14,8 @@ of a layer of `--shape` (and the LM head) alone at M = 1, 8 and 17 rows (`--prod
 "triton" loop's ops for the same job (RMSNorm kernel + cuBLAS, + silu_mul), and the fused GEMV kernel under its
 default tiles and a few others of each of `--kinds` (the block variants: 8 rows a program at once in registers, or 16
 on the tensor cores; the stream: K in chunks, for a large K; "rows": the stream over 4-16 rows at once), each a CUDA
-graph of 100 calls, median replay / 100,
-with the weight's bytes a second, each fused row's largest difference from the "triton" ops and whether its M rows
-equal the rows alone bit for bit. The weight floor divides by the device's stated bandwidth (`HBM_BYTES_PER_S`).
+graph of 100 calls, median replay / 100, with the weight's bytes a second, each fused row's largest difference from
+the "triton" ops and whether its M rows equal the rows alone bit for bit. The weight floor divides by the device's stated bandwidth (`HBM_BYTES_PER_S`).
 Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
 Numbers, not assertions. CUDA only.
 """
@@ -191,7 +190,7 @@ def product_call(kind: str, op: str, t: dict, tiles=None):
 def tile_choices(M: int, kinds):
     """The fused kernel's default tiles, then a few others, of the GEMV `kinds` (duplicates are dropped by the
     caller)."""
-    choices = [*loop_choices(M), *stream_choices(), *rows_choices()]
+    choices = [*loop_block_dot_choices(M), *stream_choices(), *rows_choices()]
     yield from (t for t in choices if t.kind in kinds)
 
 
@@ -212,7 +211,7 @@ def rows_choices():
             yield layer_ops.GemvTiles(kind="rows", block_rows=block_rows, block_n=block_n, block_k=block_k, pdl=pdl)
 
 
-def loop_choices(M: int):
+def loop_block_dot_choices(M: int):
     yield layer_ops.GemvTiles()
     for block_n in (4, 8, 16):
         yield layer_ops.GemvTiles(block_n=block_n)

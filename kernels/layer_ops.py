@@ -365,11 +365,6 @@ if triton is not None:
             acc_up += w_up.to(tl.float32) * h[None, :]
         return acc, acc_up
 
-    @triton.jit
-    def _raw_tile(w_ptr, n, k, live_n, live_k, K):
-        """Rows n of a row-major [*, K] weight, columns k (zeros where n or k is out of range), in its dtype."""
-        return tl.load(w_ptr + n[:, None] * K + k[None, :], mask=live_n[:, None] & live_k[None, :], other=0.0)
-
     @triton.jit(do_not_specialize=["M", "rows"])
     def _gemv_stream_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, rows, K: tl.constexpr, NORM: tl.constexpr,
                             SILU: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -386,8 +381,8 @@ if triton is not None:
         live_n = n < N
         dt = out_ptr.dtype.element_ty
         k0 = tl.arange(0, BLOCK_K)
-        w0 = _raw_tile(w_ptr, n, k0, live_n, k0 < K, K)
-        w0_up = _raw_tile(w_ptr + N * K, n, k0, live_n, (k0 < K) & SILU, K)  # all masked (no load) without SILU
+        w0 = _block(w_ptr, n, k0, live_n, K)
+        w0_up = _block(w_ptr + N * K, n, k0, live_n & SILU, K)  # all masked (no load) without SILU
         _wait_for_inputs(GDC)  # the first chunk's weights (never written) loaded before the wait
         m = tl.program_id(1) * rows
         last = tl.minimum(m + rows, M)
@@ -404,15 +399,15 @@ if triton is not None:
             if UNROLL:
                 for c in tl.static_range(BLOCK_K, K, BLOCK_K):
                     k = c + k0
-                    acc, acc_up = _stream_chunk(acc, acc_up, _raw_tile(w_ptr, n, k, live_n, k < K, K),
-                                                _raw_tile(w_ptr + N * K, n, k, live_n, (k < K) & SILU, K), row,
-                                                norm_ptr, k, k < K, scale, NORM, SILU, dt)
+                    acc, acc_up = _stream_chunk(acc, acc_up, _block(w_ptr, n, k, live_n, K),
+                                                _block(w_ptr + N * K, n, k, live_n & SILU, K), row, norm_ptr, k,
+                                                k < K, scale, NORM, SILU, dt)
             else:
                 for c in range(BLOCK_K, K, BLOCK_K):
                     k = c + k0
-                    acc, acc_up = _stream_chunk(acc, acc_up, _raw_tile(w_ptr, n, k, live_n, k < K, K),
-                                                _raw_tile(w_ptr + N * K, n, k, live_n, (k < K) & SILU, K), row,
-                                                norm_ptr, k, k < K, scale, NORM, SILU, dt)
+                    acc, acc_up = _stream_chunk(acc, acc_up, _block(w_ptr, n, k, live_n, K),
+                                                _block(w_ptr + N * K, n, k, live_n & SILU, K), row, norm_ptr, k,
+                                                k < K, scale, NORM, SILU, dt)
             y = tl.sum(acc, axis=1)
             if SILU:
                 y = _silu_mul(_round(y, dt), _round(tl.sum(acc_up, axis=1), dt), dt)
@@ -436,8 +431,8 @@ if triton is not None:
         live_m, live_n = m < M, n < N
         dt = out_ptr.dtype.element_ty
         k0 = tl.arange(0, BLOCK_K)
-        w0 = _raw_tile(w_ptr, n, k0, live_n, k0 < K, K)
-        w0_up = _raw_tile(w_ptr + N * K, n, k0, live_n, (k0 < K) & SILU, K)  # all masked (no load) without SILU
+        w0 = _block(w_ptr, n, k0, live_n, K)
+        w0_up = _block(w_ptr + N * K, n, k0, live_n & SILU, K)  # all masked (no load) without SILU
         _wait_for_inputs(GDC)  # the first chunk's weights (never written) loaded before the wait
         if NORM:
             squares = tl.zeros([R], dtype=tl.float32)
@@ -456,8 +451,8 @@ if triton is not None:
             if c == 0:
                 w, w_up = w0, w0_up
             else:
-                w = _raw_tile(w_ptr, n, k, live_n, live_k, K)
-                w_up = _raw_tile(w_ptr + N * K, n, k, live_n, live_k & SILU, K)
+                w = _block(w_ptr, n, k, live_n, K)
+                w_up = _block(w_ptr + N * K, n, k, live_n & SILU, K)
             h = _block(a_ptr, m, k, live_m, K).to(tl.float32)
             if NORM:
                 norm = tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32)
