@@ -296,7 +296,7 @@ def print_products(rows: list[dict]) -> None:
         t, cublas = r.get("tiles", {}), base.get((r["product"], r["M"]))
         ratio = f"{r['us'] / cublas:.2f}" if cublas else "-"
         rows_ = t.get("rows", "") if t.get("kind") in ("loop", "stream") else t.get("block_rows", "")
-        kind = t.get("kind", "") + ("" if t.get("unroll", True) else " (loop)") + (" pdl" if t.get("pdl") else "")
+        kind = t.get("kind", "") + (" pdl" if t.get("pdl") else "")
         print(f"| {r['product']} | {r['M']} | {r['op']} | {kind} | {t.get('block_n', '')} | {rows_} | "
               f"{t.get('warps', '')} | {t.get('block_k') or ''} | {r['us']:.2f} | {r['tb_per_s']:.2f} | {ratio} | "
               f"{r.get('max_diff_vs_triton', '')} | {r.get('rows_equal_alone', '')} |")

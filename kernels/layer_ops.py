@@ -303,6 +303,15 @@ if triton is not None:
         return tl.load(ptr + r[:, None] * K + k[None, :], mask=live_r[:, None] & (k < K)[None, :], other=0.0)
 
     @triton.jit
+    def _rows_inv_rms(a_ptr, m, live_m, eps, K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+        """1 / rms of rows m of a row-major [*, K] tensor, its squares summed over K in BLOCK_K chunks."""
+        squares = tl.zeros([ROWS], dtype=tl.float32)
+        for c in tl.static_range(0, K, BLOCK_K):
+            h = _block(a_ptr, m, c + tl.arange(0, BLOCK_K), live_m, K).to(tl.float32)
+            squares += tl.sum(h * h, axis=1)
+        return 1.0 / tl.sqrt(squares / K + eps)
+
+    @triton.jit
     def _chunk_product(y, h, w, DOT: tl.constexpr, WIDE: tl.constexpr):
         """y [rows, n] += h [rows, k] @ w [n, k].T for one K chunk: on the tensor cores (DOT, float32 sums), or as a
         [rows, n, k] tile of products summed over k (tl.sum: each output's order set by the shapes alone)."""
@@ -325,11 +334,7 @@ if triton is not None:
         live_n, live_m = n < N, m < M
         dt = out_ptr.dtype.element_ty
         if NORM:
-            squares = tl.zeros([ROWS_BLOCK], dtype=tl.float32)
-            for c in tl.static_range(0, K, BLOCK_K):
-                h = _block(a_ptr, m, c + tl.arange(0, BLOCK_K), live_m, K).to(tl.float32)
-                squares += tl.sum(h * h, axis=1)
-            scale = 1.0 / tl.sqrt(squares / K + eps)
+            scale = _rows_inv_rms(a_ptr, m, live_m, eps, K, BLOCK_K, ROWS_BLOCK)
         y = tl.zeros([ROWS_BLOCK, BLOCK_N], dtype=tl.float32)
         if SILU:
             y_up = tl.zeros([ROWS_BLOCK, BLOCK_N], dtype=tl.float32)
@@ -368,10 +373,10 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "rows"])
     def _gemv_stream_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, rows, K: tl.constexpr, NORM: tl.constexpr,
                             SILU: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            KP: tl.constexpr, UNROLL: tl.constexpr, GDC: tl.constexpr):
+                            KP: tl.constexpr, GDC: tl.constexpr):
         """`_gemv_kernel`'s job for a large K: one program per (BLOCK_N outputs, `rows` rows), each row in turn
-        streaming the weight tile in BLOCK_K chunks (UNROLL: unrolled, else a loop) into a [BLOCK_N, BLOCK_K]
-        float32 tile of products, summed once at the end (tl.sum). The first chunk's weights are loaded once,
+        streaming the weight tile in BLOCK_K chunks (unrolled) into a [BLOCK_N, BLOCK_K] float32 tile of
+        products, summed once at the end (tl.sum). The first chunk's weights are loaded once,
         before the rows: with GDC (a programmatic dependent launch) before waiting for the kernel before this
         one, whose outputs are this one's rows, so a chain of products streams weights across its kernels'
         boundaries. The row's RMSNorm scale (NORM) is `_row_scale`'s over the whole row (KP: K's power of two);
@@ -396,18 +401,11 @@ if triton is not None:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc, acc_up = _stream_chunk(acc, acc_up, w0, w0_up, row, norm_ptr, k0, k0 < K, scale, NORM, SILU, dt)
-            if UNROLL:
-                for c in tl.static_range(BLOCK_K, K, BLOCK_K):
-                    k = c + k0
-                    acc, acc_up = _stream_chunk(acc, acc_up, _block(w_ptr, n, k, live_n, K),
-                                                _block(w_ptr + N * K, n, k, live_n & SILU, K), row, norm_ptr, k,
-                                                k < K, scale, NORM, SILU, dt)
-            else:
-                for c in range(BLOCK_K, K, BLOCK_K):
-                    k = c + k0
-                    acc, acc_up = _stream_chunk(acc, acc_up, _block(w_ptr, n, k, live_n, K),
-                                                _block(w_ptr + N * K, n, k, live_n & SILU, K), row, norm_ptr, k,
-                                                k < K, scale, NORM, SILU, dt)
+            for c in tl.static_range(BLOCK_K, K, BLOCK_K):
+                k = c + k0
+                acc, acc_up = _stream_chunk(acc, acc_up, _block(w_ptr, n, k, live_n, K),
+                                            _block(w_ptr + N * K, n, k, live_n & SILU, K), row, norm_ptr, k, k < K,
+                                            scale, NORM, SILU, dt)
             y = tl.sum(acc, axis=1)
             if SILU:
                 y = _silu_mul(_round(y, dt), _round(tl.sum(acc_up, axis=1), dt), dt)
@@ -435,11 +433,7 @@ if triton is not None:
         w0_up = _block(w_ptr + N * K, n, k0, live_n & SILU, K)  # all masked (no load) without SILU
         _wait_for_inputs(GDC)  # the first chunk's weights (never written) loaded before the wait
         if NORM:
-            squares = tl.zeros([R], dtype=tl.float32)
-            for c in tl.static_range(0, K, BLOCK_K):
-                h = _block(a_ptr, m, c + k0, live_m, K).to(tl.float32)
-                squares += tl.sum(h * h, axis=1)
-            scale = 1.0 / tl.sqrt(squares / K + eps)
+            scale = _rows_inv_rms(a_ptr, m, live_m, eps, K, BLOCK_K, R)
         if ADD:
             residual = tl.load(out_ptr + m[:, None] * N + n[None, :], mask=live_m[:, None] & live_n[None, :],
                                other=0.0).to(tl.float32)
@@ -556,7 +550,6 @@ class GemvTiles:
     warps: int | None = None  # warps a program runs (None: 4, or 8 for loop tiles of over 4096 values)
     block_rows: int | None = None  # the block variants' rows at once (None: BLOCK_ROWS[kind])
     block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K; stream: STREAM_K)
-    unroll: bool = True  # the stream's K chunks unrolled (else a loop)
     pdl: bool | None = None  # the loop's and the stream's programmatic dependent launch (None: `pdl_on`'s)
 
     def __post_init__(self):
@@ -791,7 +784,7 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu
         _gemv_stream_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))](
             a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, eps, tiles.rows, K=K,
             NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            KP=triton.next_power_of_2(K), UNROLL=tiles.unroll, num_warps=tiles.warps, **_launch(a.device, tiles.pdl))
+            KP=triton.next_power_of_2(K), num_warps=tiles.warps, **_launch(a.device, tiles.pdl))
         return out
     if tiles.kind != "loop":
         wide = tl.float32 if INTERPRETED else _TL[out.dtype]  # the interpreter's tl.dot: float32 (exact for bf16)

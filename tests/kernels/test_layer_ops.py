@@ -410,7 +410,7 @@ def close(got, want, dtype) -> bool:
 
 
 BLOCKS = {kind: layer_ops.GemvTiles(kind=kind) for kind in ("block", "dot", "stream", "rows")}
-BLOCKS["stream-loop"] = layer_ops.GemvTiles(kind="stream", block_k=64, unroll=False)  # K in several chunks, a loop
+BLOCKS["stream-64"] = layer_ops.GemvTiles(kind="stream", block_k=64)  # K in several chunks
 
 
 ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -466,7 +466,7 @@ def test_a_rows_fused_products_do_not_depend_on_the_other_rows(device, dtype):
             assert torch.equal(product(slice(m, m + 1), tiles=narrow), every[m:m + 1]), (name, m)
 
 
-@pytest.mark.parametrize("kind", [k for k in BLOCKS if k != "stream-loop"])  # its loop: the same code
+@pytest.mark.parametrize("kind", [k for k in BLOCKS if k != "stream-64"])  # the same code
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float32, marks=ON_A_GPU)])
 def test_the_block_variants_rows_do_not_depend_on_m_or_their_neighbours(device, dtype, kind):
     """The block variants (8 rows a program at once; tl.dot: 16) and the stream: rows computed alone (M = 1, masked rows beside
