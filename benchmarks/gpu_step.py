@@ -224,8 +224,16 @@ def loop_block_dot_choices(M: int):
     for block_rows, block_n, block_k, warps in ((4, 4, 64, 4), (8, 8, 64, 4), (8, 4, 128, 4), (8, 4, 64, 2),
                                                 (8, 4, 64, 8), (16, 4, 64, 4), (8, 2, 64, 4)):
         yield layer_ops.GemvTiles(kind="block", block_rows=block_rows, block_n=block_n, block_k=block_k, warps=warps)
+    yield from dot_choices()
+
+
+def dot_choices():
+    """tl.dot's fixed 16-row blocks: K in chunks up to the whole row (one load of a program's weight tile)."""
     yield layer_ops.GemvTiles(kind="dot")
-    yield layer_ops.GemvTiles(kind="dot", block_k=128)
+    for block_n, block_k, warps in ((16, 128, 4), (16, 256, 4), (16, 512, 4), (16, 1024, 4), (16, 1024, 2),
+                                    (16, 1024, 8), (32, 256, 4), (32, 1024, 4), (64, 256, 4)):
+        yield layer_ops.GemvTiles(kind="dot", block_n=block_n, block_k=block_k, warps=warps)
+    yield layer_ops.GemvTiles(kind="dot", block_k=1024, pdl=True)
 
 
 def resolve(product: tuple[int, int, str], tiles):

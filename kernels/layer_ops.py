@@ -322,33 +322,43 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _gemv_block_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, K: tl.constexpr, NORM: tl.constexpr,
                            SILU: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           ROWS_BLOCK: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr):
+                           ROWS_BLOCK: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr, GDC: tl.constexpr):
         """`_gemv_kernel`'s job with a program's rows all at once: one program per (BLOCK_N outputs, ROWS_BLOCK rows),
         out[rows, n] = h[rows, :K] @ w[n, :K].T over K in BLOCK_K chunks (unrolled, float32 sums; `_chunk_product`).
         With NORM a first pass sums each row's squares (the chunks are read again for the product). The roundings
         are `_gemv_kernel`'s: h rounded to out's dtype before the product, g and u rounded before silu, x added
         before the one rounding. Rows past M are zeros and never stored; ROWS_BLOCK is fixed and M is not
-        specialised on, so a row's bits do not depend on M or on the rows beside it."""
+        specialised on, so a row's bits do not depend on M or on the rows beside it. The first chunk's weights are
+        loaded before `_wait_for_inputs` (the stream kernel's prefetch under a programmatic dependent launch)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1) * ROWS_BLOCK + tl.arange(0, ROWS_BLOCK)
         live_n, live_m = n < N, m < M
         dt = out_ptr.dtype.element_ty
+        k0 = tl.arange(0, BLOCK_K)
+        w0 = _block(w_ptr, n, k0, live_n, K)
+        w0_up = _block(w_ptr + N * K, n, k0, live_n & SILU, K)  # all masked (no load) without SILU
+        _wait_for_inputs(GDC)
         if NORM:
             scale = _rows_inv_rms(a_ptr, m, live_m, eps, K, BLOCK_K, ROWS_BLOCK)
         y = tl.zeros([ROWS_BLOCK, BLOCK_N], dtype=tl.float32)
         if SILU:
             y_up = tl.zeros([ROWS_BLOCK, BLOCK_N], dtype=tl.float32)
         for c in tl.static_range(0, K, BLOCK_K):
-            k = c + tl.arange(0, BLOCK_K)
+            k = c + k0
             live_k = k < K
+            if c == 0:
+                w, w_up = w0, w0_up
+            else:
+                w = _block(w_ptr, n, k, live_n, K)
+                w_up = _block(w_ptr + N * K, n, k, live_n & SILU, K)
             h = _block(a_ptr, m, k, live_m, K).to(tl.float32)
             if NORM:
                 norm = tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32)
                 h = _scaled(h, scale[:, None], norm[None, :], dt)
             h = h.to(dt)  # the product reads h at out's dtype
-            y = _chunk_product(y, h, _block(w_ptr, n, k, live_n, K), DOT, WIDE)
+            y = _chunk_product(y, h, w, DOT, WIDE)
             if SILU:
-                y_up = _chunk_product(y_up, h, _block(w_ptr + N * K, n, k, live_n, K), DOT, WIDE)
+                y_up = _chunk_product(y_up, h, w_up, DOT, WIDE)
         at = out_ptr + m[:, None] * N + n[None, :]
         live = live_m[:, None] & live_n[None, :]
         if SILU:
@@ -529,6 +539,7 @@ KINDS = ("loop", "block", "dot", "stream", "rows")  # the GEMV variants (GemvTil
 BLOCK_ROWS = {"block": 8, "dot": 16, "rows": 8}  # rows a program of the block variants takes at once (never M's; tl.dot: >= 16)
 BLOCK_K = 64  # the K chunk of the block variants (576 = 9 chunks: no padding for the embedded model)
 STREAM_K = 1024  # the stream variant's K chunk (at most K's power of two)
+DOT_K = int(os.environ.get("FLASHSPEC_DOT_K", "64"))  # the dot variant's K chunk by default (at most K's power of two)
 PDL = os.environ.get("FLASHSPEC_PDL", "0") == "1"  # the kernels here as programmatic dependent launches (`pdl_on`)
 GEMV_KIND = os.environ.get("FLASHSPEC_GEMV", "loop")  # the products' kind by default (GemvTiles.kind; A/B runs)
 
@@ -550,7 +561,7 @@ class GemvTiles:
     warps: int | None = None  # warps a program runs (None: 4, or 8 for loop tiles of over 4096 values)
     block_rows: int | None = None  # the block variants' rows at once (None: BLOCK_ROWS[kind])
     block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K; stream: STREAM_K)
-    pdl: bool | None = None  # the loop's and the stream's programmatic dependent launch (None: `pdl_on`'s)
+    pdl: bool | None = None  # the kernel as a programmatic dependent launch (None: `pdl_on`'s)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -580,8 +591,10 @@ class GemvTiles:
             return replace(self, block_n=block_n, warps=self.warps or 4, pdl=self._pdl(device),
                            block_k=min(self.block_k or STREAM_K, triton.next_power_of_2(K)))
         if self.kind != "loop":
+            block_k = self.block_k or (DOT_K if self.kind == "dot" else BLOCK_K)
             return replace(self, block_n=self.block_n or (16 if self.kind == "dot" else 4), warps=self.warps or 4,
-                           block_rows=self.block_rows or BLOCK_ROWS[self.kind], block_k=self.block_k or BLOCK_K)
+                           block_rows=self.block_rows or BLOCK_ROWS[self.kind], pdl=self._pdl(device),
+                           block_k=min(block_k, triton.next_power_of_2(K)))
         # the interpreter runs its programs one after another: as if on one SM, the fewest programs
         block_n = self.block_n or next((b for b in (16, 8) if triton.cdiv(n_out, b) >= sms), 4)
         values = block_n * triton.next_power_of_2(K) * (2 if paired else 1)
@@ -791,7 +804,8 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu
         _gemv_block_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.block_rows))](
             a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, eps, K=K,
             NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            ROWS_BLOCK=tiles.block_rows, DOT=tiles.kind == "dot", WIDE=wide, num_warps=tiles.warps)
+            ROWS_BLOCK=tiles.block_rows, DOT=tiles.kind == "dot", WIDE=wide, num_warps=tiles.warps,
+            **_launch(a.device, tiles.pdl))
         return out
     grid = (triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))
     _gemv_kernel[grid](a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, K, eps, tiles.rows,
