@@ -539,7 +539,7 @@ KINDS = ("loop", "block", "dot", "stream", "rows")  # the GEMV variants (GemvTil
 BLOCK_ROWS = {"block": 8, "dot": 16, "rows": 8}  # rows a program of the block variants takes at once (never M's; tl.dot: >= 16)
 BLOCK_K = 64  # the K chunk of the block variants (576 = 9 chunks: no padding for the embedded model)
 STREAM_K = 1024  # the stream variant's K chunk (at most K's power of two)
-DOT_K = int(os.environ.get("FLASHSPEC_DOT_K", "64"))  # the dot variant's K chunk by default (at most K's power of two)
+DOT_K = int(os.environ.get("FLASHSPEC_DOT_K", "256"))  # the dot variant's K chunk by default (at most K's power of two)
 PDL = os.environ.get("FLASHSPEC_PDL", "0") == "1"  # the kernels here as programmatic dependent launches (`pdl_on`)
 GEMV_KIND = os.environ.get("FLASHSPEC_GEMV", "loop")  # the products' kind by default (GemvTiles.kind; A/B runs)
 
@@ -556,7 +556,8 @@ class GemvTiles:
 
     kind: str = "loop"
     block_n: int | None = None  # outputs a program computes (None: loop 16, 8 or 4, the largest giving every SM one;
-    #                             block 4; dot 16; stream 8 where that gives every SM two, else 4)
+    #                             block 4; dot 32, or 64 for 8192+ outputs; stream 8 where that gives every SM two,
+    #                             else 4)
     rows: int = ROWS  # rows a program takes in turn (the loop's and the stream's)
     warps: int | None = None  # warps a program runs (None: 4, or 8 for loop tiles of over 4096 values)
     block_rows: int | None = None  # the block variants' rows at once (None: BLOCK_ROWS[kind])
@@ -592,7 +593,8 @@ class GemvTiles:
                            block_k=min(self.block_k or STREAM_K, triton.next_power_of_2(K)))
         if self.kind != "loop":
             block_k = self.block_k or (DOT_K if self.kind == "dot" else BLOCK_K)
-            return replace(self, block_n=self.block_n or (16 if self.kind == "dot" else 4), warps=self.warps or 4,
+            dot_n = 64 if n_out >= 8192 else 32  # the fastest alone on an H200 (an LM head's rows; a layer's)
+            return replace(self, block_n=self.block_n or (dot_n if self.kind == "dot" else 4), warps=self.warps or 4,
                            block_rows=self.block_rows or BLOCK_ROWS[self.kind], pdl=self._pdl(device),
                            block_k=min(block_k, triton.next_power_of_2(K)))
         # the interpreter runs its programs one after another: as if on one SM, the fewest programs

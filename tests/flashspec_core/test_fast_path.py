@@ -457,7 +457,6 @@ def test_the_layer_ops_give_a_verify_the_bits_of_one_token_steps_through_graphs_
     g = torch.Generator().manual_seed(12)
     prompt, new = (torch.randint(0, model.config.vocab_size, (1, n), generator=g).cuda() for n in (40, 8))
     logits = {}
-    monkeypatch.setattr(kernels, "DOT_K", 1024)  # the dot kind over a whole row at once (K = 576)
     for name in ("triton", "folded", "fused", "fused:stream", "fused:rows", "fused:rows+pdl", "fused:dot+pdl"):
         ops, _, kind = name.partition(":")
         monkeypatch.setattr(kernels, "GEMV_KIND", kind.partition("+")[0] or "loop")
