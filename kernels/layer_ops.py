@@ -322,17 +322,21 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])
     def _gemv_block_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, K: tl.constexpr, NORM: tl.constexpr,
                            SILU: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           ROWS_BLOCK: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr, GDC: tl.constexpr):
+                           ROWS_BLOCK: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr, GDC: tl.constexpr,
+                           TILE_N: tl.constexpr):
         """`_gemv_kernel`'s job with a program's rows all at once: one program per (BLOCK_N outputs, ROWS_BLOCK rows),
         out[rows, n] = h[rows, :K] @ w[n, :K].T over K in BLOCK_K chunks (unrolled, float32 sums; `_chunk_product`).
         With NORM a first pass sums each row's squares (the chunks are read again for the product). The roundings
         are `_gemv_kernel`'s: h rounded to out's dtype before the product, g and u rounded before silu, x added
         before the one rounding. Rows past M are zeros and never stored; ROWS_BLOCK is fixed and M is not
         specialised on, so a row's bits do not depend on M or on the rows beside it. The first chunk's weights are
-        loaded before `_wait_for_inputs` (the stream kernel's prefetch under a programmatic dependent launch)."""
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        loaded before `_wait_for_inputs` (the stream kernel's prefetch under a programmatic dependent launch).
+        TILE_N >= BLOCK_N: the tile's width (tl.dot's 16 at least), its lanes past BLOCK_N masked (never read or
+        stored), so a product of few outputs a program still runs on the tensor cores."""
+        j = tl.arange(0, TILE_N)
+        n = tl.program_id(0) * BLOCK_N + j
         m = tl.program_id(1) * ROWS_BLOCK + tl.arange(0, ROWS_BLOCK)
-        live_n, live_m = n < N, m < M
+        live_n, live_m = (j < BLOCK_N) & (n < N), m < M
         dt = out_ptr.dtype.element_ty
         k0 = tl.arange(0, BLOCK_K)
         w0 = _block(w_ptr, n, k0, live_n, K)
@@ -340,9 +344,9 @@ if triton is not None:
         _wait_for_inputs(GDC)
         if NORM:
             scale = _rows_inv_rms(a_ptr, m, live_m, eps, K, BLOCK_K, ROWS_BLOCK)
-        y = tl.zeros([ROWS_BLOCK, BLOCK_N], dtype=tl.float32)
+        y = tl.zeros([ROWS_BLOCK, TILE_N], dtype=tl.float32)
         if SILU:
-            y_up = tl.zeros([ROWS_BLOCK, BLOCK_N], dtype=tl.float32)
+            y_up = tl.zeros([ROWS_BLOCK, TILE_N], dtype=tl.float32)
         for c in tl.static_range(0, K, BLOCK_K):
             k = c + k0
             live_k = k < K
@@ -539,7 +543,8 @@ KINDS = ("loop", "block", "dot", "stream", "rows")  # the GEMV variants (GemvTil
 BLOCK_ROWS = {"block": 8, "dot": 16, "rows": 8}  # rows a program of the block variants takes at once (never M's; tl.dot: >= 16)
 BLOCK_K = 64  # the K chunk of the block variants (576 = 9 chunks: no padding for the embedded model)
 STREAM_K = 1024  # the stream variant's K chunk (at most K's power of two)
-DOT_K = int(os.environ.get("FLASHSPEC_DOT_K", "256"))  # the dot variant's K chunk by default (at most K's power of two)
+DOT_K = int(os.environ.get("FLASHSPEC_DOT_K", "256"))
+DOT_N = int(os.environ.get("FLASHSPEC_DOT_N", "0"))  # the dot variant's outputs a program (0: by the product's shape)  # the dot variant's K chunk by default (at most K's power of two)
 PDL = os.environ.get("FLASHSPEC_PDL", "0") == "1"  # the kernels here as programmatic dependent launches (`pdl_on`)
 GEMV_KIND = os.environ.get("FLASHSPEC_GEMV", "loop")  # the products' kind by default (GemvTiles.kind; A/B runs)
 
@@ -573,8 +578,8 @@ class GemvTiles:
                 raise ValueError(f"{name} must be a power of two, got {value}")
         if self.rows < 1:
             raise ValueError(f"rows must be positive, got {self.rows}")
-        if self.kind == "dot" and min(self.block_n or 16, self.block_rows or 16, self.block_k or 16) < 16:
-            raise ValueError(f"tl.dot needs blocks of at least 16, got {self}")
+        if self.kind == "dot" and min(self.block_rows or 16, self.block_k or 16) < 16:
+            raise ValueError(f"tl.dot needs blocks of at least 16 rows and K, got {self}")  # block_n: padded
         if self.kind == "loop" and (self.block_k or self.block_rows):
             raise ValueError(f"block_k and block_rows are the block variants', not the loop's: {self}")
         if self.kind == "stream" and self.block_rows:
@@ -593,7 +598,7 @@ class GemvTiles:
                            block_k=min(self.block_k or STREAM_K, triton.next_power_of_2(K)))
         if self.kind != "loop":
             block_k = self.block_k or (DOT_K if self.kind == "dot" else BLOCK_K)
-            dot_n = 64 if n_out >= 8192 else 32  # the fastest alone on an H200 (an LM head's rows; a layer's)
+            dot_n = DOT_N or (64 if n_out >= 8192 else 32)  # the fastest alone on an H200 (an LM head; a layer's)
             return replace(self, block_n=self.block_n or (dot_n if self.kind == "dot" else 4), warps=self.warps or 4,
                            block_rows=self.block_rows or BLOCK_ROWS[self.kind], pdl=self._pdl(device),
                            block_k=min(block_k, triton.next_power_of_2(K)))
@@ -807,6 +812,7 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu
             a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, eps, K=K,
             NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             ROWS_BLOCK=tiles.block_rows, DOT=tiles.kind == "dot", WIDE=wide, num_warps=tiles.warps,
+            TILE_N=max(tiles.block_n, 16) if tiles.kind == "dot" else tiles.block_n,
             **_launch(a.device, tiles.pdl))
         return out
     grid = (triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))

@@ -411,16 +411,17 @@ def close(got, want, dtype) -> bool:
 
 BLOCKS = {kind: layer_ops.GemvTiles(kind=kind) for kind in ("block", "dot", "stream", "rows")}
 BLOCKS["stream-64"] = layer_ops.GemvTiles(kind="stream", block_k=64)  # K in several chunks
+BLOCKS["dot-4"] = layer_ops.GemvTiles(kind="dot", block_n=4)  # 4 outputs a program in tl.dot's 16-wide tile
 
 
 ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                                reason="a programmatic dependent launch needs a GPU of compute capability 9 or more")
 PDL = [pytest.param(layer_ops.GemvTiles(kind=kind, pdl=True), marks=ON_HOPPER, id=f"{kind}-pdl")
-       for kind in ("stream", "rows")]
+       for kind in ("stream", "rows", "dot")]
 
 
-@pytest.mark.parametrize("tiles", [layer_ops.GemvTiles(), *BLOCKS.values(), *PDL], ids=["loop", *BLOCKS, "stream-pdl",
-                                                                                       "rows-pdl"])
+@pytest.mark.parametrize("tiles", [layer_ops.GemvTiles(), *BLOCKS.values(), *PDL],
+                         ids=["loop", *BLOCKS, "stream-pdl", "rows-pdl", "dot-pdl"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M,K,N", [(5, 96, 42), (3, 576, 40), (2, 1536, 24)],
                          ids=["irregular", "hidden-576", "intermediate-1536"])
@@ -491,7 +492,7 @@ def test_the_block_variants_rows_do_not_depend_on_m_or_their_neighbours(device, 
 
 def test_the_gemv_tiles_refuse_what_their_kernels_cannot_take():
     with pytest.raises(ValueError, match="at least 16"):
-        layer_ops.GemvTiles(kind="dot", block_n=8)
+        layer_ops.GemvTiles(kind="dot", block_rows=8)
     with pytest.raises(ValueError, match="block variants"):
         layer_ops.GemvTiles(block_k=64)
     with pytest.raises(ValueError, match="power of two"):
