@@ -543,8 +543,8 @@ KINDS = ("loop", "block", "dot", "stream", "rows")  # the GEMV variants (GemvTil
 BLOCK_ROWS = {"block": 8, "dot": 16, "rows": 8}  # rows a program of the block variants takes at once (never M's; tl.dot: >= 16)
 BLOCK_K = 64  # the K chunk of the block variants (576 = 9 chunks: no padding for the embedded model)
 STREAM_K = 1024  # the stream variant's K chunk (at most K's power of two)
-DOT_K = int(os.environ.get("FLASHSPEC_DOT_K", "256"))
-DOT_N = int(os.environ.get("FLASHSPEC_DOT_N", "0"))  # the dot variant's outputs a program (0: by the product's shape)  # the dot variant's K chunk by default (at most K's power of two)
+DOT_K = int(os.environ.get("FLASHSPEC_DOT_K", "256"))  # the dot variant's K chunk by default (at most K's power of two)
+DOT_N = int(os.environ.get("FLASHSPEC_DOT_N", "0"))  # the dot variant's outputs a program (0: by the product's shape)
 PDL = os.environ.get("FLASHSPEC_PDL", "0") == "1"  # the kernels here as programmatic dependent launches (`pdl_on`)
 GEMV_KIND = os.environ.get("FLASHSPEC_GEMV", "loop")  # the products' kind by default (GemvTiles.kind; A/B runs)
 
@@ -566,7 +566,7 @@ class GemvTiles:
     rows: int = ROWS  # rows a program takes in turn (the loop's and the stream's)
     warps: int | None = None  # warps a program runs (None: 4, or 8 for loop tiles of over 4096 values)
     block_rows: int | None = None  # the block variants' rows at once (None: BLOCK_ROWS[kind])
-    block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K; stream: STREAM_K)
+    block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K; dot: DOT_K; stream: STREAM_K)
     pdl: bool | None = None  # the kernel as a programmatic dependent launch (None: `pdl_on`'s)
 
     def __post_init__(self):
