@@ -229,13 +229,15 @@ def loop_block_dot_choices(M: int):
 
 def dot_choices():
     """tl.dot's fixed 16-row blocks: K in chunks up to the whole row; fewer than 16 outputs a program in a 16-wide
-    tile (its other lanes masked: the stream's many small programs, on the tensor cores)."""
+    tile (its other lanes masked: the stream's many small programs, on the tensor cores); the K loop pipelined."""
     yield layer_ops.GemvTiles(kind="dot")
     for block_n, block_k, warps in ((16, 256, 4), (32, 256, 4), (64, 256, 4), (4, 256, 4), (4, 256, 2),
                                     (4, 512, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 4), (4, 1024, 4)):
         yield layer_ops.GemvTiles(kind="dot", block_n=block_n, block_k=block_k, warps=warps)  # under 16: padded
     yield layer_ops.GemvTiles(kind="dot", pdl=True)
     yield layer_ops.GemvTiles(kind="dot", block_n=4, pdl=True)
+    for block_n, block_k, stages in ((4, 64, 4), (8, 64, 4), (32, 64, 4), (64, 64, 4), (4, 128, 3), (32, 128, 3)):
+        yield layer_ops.GemvTiles(kind="dot", block_n=block_n, block_k=block_k, stages=stages)  # K loop pipelined
 
 
 def resolve(product: tuple[int, int, str], tiles):

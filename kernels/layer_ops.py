@@ -319,16 +319,32 @@ if triton is not None:
             return tl.dot(h.to(WIDE), tl.trans(w.to(WIDE)), y, input_precision="ieee")
         return y + tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
+    @triton.jit
+    def _block_chunk(y, y_up, w, w_up, a_ptr, norm_ptr, m, live_m, k, scale, K: tl.constexpr, NORM: tl.constexpr,
+                     SILU: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr, dt: tl.constexpr):
+        """`_gemv_block_kernel`'s K chunk k: the rows' h (normed with NORM, rounded to dt) times the weight tile w
+        (and w_up: the up rows), added into y (and y_up) by `_chunk_product`."""
+        h = _block(a_ptr, m, k, live_m, K).to(tl.float32)
+        if NORM:
+            norm = tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            h = _scaled(h, scale[:, None], norm[None, :], dt)
+        h = h.to(dt)  # the product reads h at out's dtype
+        y = _chunk_product(y, h, w, DOT, WIDE)
+        if SILU:
+            y_up = _chunk_product(y_up, h, w_up, DOT, WIDE)
+        return y, y_up
+
     @triton.jit(do_not_specialize=["M"])
     def _gemv_block_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, K: tl.constexpr, NORM: tl.constexpr,
                            SILU: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            ROWS_BLOCK: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr, GDC: tl.constexpr,
-                           TILE_N: tl.constexpr):
+                           TILE_N: tl.constexpr, STAGES: tl.constexpr):
         """`_gemv_kernel`'s job with a program's rows all at once: one program per (BLOCK_N outputs, ROWS_BLOCK rows),
-        out[rows, n] = h[rows, :K] @ w[n, :K].T over K in BLOCK_K chunks (unrolled, float32 sums; `_chunk_product`).
-        With NORM a first pass sums each row's squares (the chunks are read again for the product). The roundings
-        are `_gemv_kernel`'s: h rounded to out's dtype before the product, g and u rounded before silu, x added
-        before the one rounding. Rows past M are zeros and never stored; ROWS_BLOCK is fixed and M is not
+        out[rows, n] = h[rows, :K] @ w[n, :K].T over K in BLOCK_K chunks (float32 sums; `_block_chunk`): unrolled,
+        or with STAGES > 1 a loop whose loads Triton pipelines that many chunks ahead (the same sums in the same
+        order). With NORM a first pass sums each row's squares (the chunks are read again for the product). The
+        roundings are `_gemv_kernel`'s: h rounded to out's dtype before the product, g and u rounded before silu, x
+        added before the one rounding. Rows past M are zeros and never stored; ROWS_BLOCK is fixed and M is not
         specialised on, so a row's bits do not depend on M or on the rows beside it. The first chunk's weights are
         loaded before `_wait_for_inputs` (the stream kernel's prefetch under a programmatic dependent launch).
         TILE_N >= BLOCK_N: the tile's width (tl.dot's 16 at least), its lanes past BLOCK_N masked (never read or
@@ -342,27 +358,24 @@ if triton is not None:
         w0 = _block(w_ptr, n, k0, live_n, K)
         w0_up = _block(w_ptr + N * K, n, k0, live_n & SILU, K)  # all masked (no load) without SILU
         _wait_for_inputs(GDC)
+        scale = tl.full([ROWS_BLOCK], 1.0, tl.float32)
         if NORM:
             scale = _rows_inv_rms(a_ptr, m, live_m, eps, K, BLOCK_K, ROWS_BLOCK)
         y = tl.zeros([ROWS_BLOCK, TILE_N], dtype=tl.float32)
-        if SILU:
-            y_up = tl.zeros([ROWS_BLOCK, TILE_N], dtype=tl.float32)
-        for c in tl.static_range(0, K, BLOCK_K):
-            k = c + k0
-            live_k = k < K
-            if c == 0:
-                w, w_up = w0, w0_up
-            else:
-                w = _block(w_ptr, n, k, live_n, K)
-                w_up = _block(w_ptr + N * K, n, k, live_n & SILU, K)
-            h = _block(a_ptr, m, k, live_m, K).to(tl.float32)
-            if NORM:
-                norm = tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32)
-                h = _scaled(h, scale[:, None], norm[None, :], dt)
-            h = h.to(dt)  # the product reads h at out's dtype
-            y = _chunk_product(y, h, w, DOT, WIDE)
-            if SILU:
-                y_up = _chunk_product(y_up, h, w_up, DOT, WIDE)
+        y_up = tl.zeros([ROWS_BLOCK, TILE_N], dtype=tl.float32)
+        y, y_up = _block_chunk(y, y_up, w0, w0_up, a_ptr, norm_ptr, m, live_m, k0, scale, K, NORM, SILU, DOT, WIDE, dt)
+        if STAGES > 1:
+            for c in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+                k = c + k0
+                y, y_up = _block_chunk(y, y_up, _block(w_ptr, n, k, live_n, K),
+                                       _block(w_ptr + N * K, n, k, live_n & SILU, K), a_ptr, norm_ptr, m, live_m, k,
+                                       scale, K, NORM, SILU, DOT, WIDE, dt)
+        else:
+            for c in tl.static_range(BLOCK_K, K, BLOCK_K):
+                k = c + k0
+                y, y_up = _block_chunk(y, y_up, _block(w_ptr, n, k, live_n, K),
+                                       _block(w_ptr + N * K, n, k, live_n & SILU, K), a_ptr, norm_ptr, m, live_m, k,
+                                       scale, K, NORM, SILU, DOT, WIDE, dt)
         at = out_ptr + m[:, None] * N + n[None, :]
         live = live_m[:, None] & live_n[None, :]
         if SILU:
@@ -568,6 +581,7 @@ class GemvTiles:
     block_rows: int | None = None  # the block variants' rows at once (None: BLOCK_ROWS[kind])
     block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K; dot: DOT_K; stream: STREAM_K)
     pdl: bool | None = None  # the kernel as a programmatic dependent launch (None: `pdl_on`'s)
+    stages: int = 1  # the block variants' K loop: unrolled (1), or pipelined that many chunks deep
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -576,8 +590,10 @@ class GemvTiles:
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two, got {value}")
-        if self.rows < 1:
-            raise ValueError(f"rows must be positive, got {self.rows}")
+        if self.rows < 1 or self.stages < 1:
+            raise ValueError(f"rows and stages must be positive, got {self}")
+        if self.stages > 1 and self.kind not in ("block", "dot"):
+            raise ValueError(f"stages are the block variants', not the {self.kind}'s: {self}")
         if self.kind == "dot" and min(self.block_rows or 16, self.block_k or 16) < 16:
             raise ValueError(f"tl.dot needs blocks of at least 16 rows and K, got {self}")  # block_n: padded
         if self.kind == "loop" and (self.block_k or self.block_rows):
@@ -812,7 +828,7 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu
             a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, eps, K=K,
             NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
             ROWS_BLOCK=tiles.block_rows, DOT=tiles.kind == "dot", WIDE=wide, num_warps=tiles.warps,
-            TILE_N=max(tiles.block_n, 16) if tiles.kind == "dot" else tiles.block_n,
+            TILE_N=max(tiles.block_n, 16) if tiles.kind == "dot" else tiles.block_n, STAGES=tiles.stages,
             **_launch(a.device, tiles.pdl))
         return out
     grid = (triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))

@@ -1,5 +1,7 @@
 """The layer's small-op kernels (kernels/layer_ops.py) against the torch ops they replace: rotary, the cache
 write and q's layout bit for bit; silu * up and the RMSNorm within one rounding of the activations' dtype."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -412,6 +414,7 @@ def close(got, want, dtype) -> bool:
 BLOCKS = {kind: layer_ops.GemvTiles(kind=kind) for kind in ("block", "dot", "stream", "rows")}
 BLOCKS["stream-64"] = layer_ops.GemvTiles(kind="stream", block_k=64)  # K in several chunks
 BLOCKS["dot-4"] = layer_ops.GemvTiles(kind="dot", block_n=4)  # 4 outputs a program in tl.dot's 16-wide tile
+BLOCKS["dot-piped"] = layer_ops.GemvTiles(kind="dot", block_n=4, block_k=64, stages=3)  # the K loop pipelined
 
 
 ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -490,11 +493,24 @@ def test_the_block_variants_rows_do_not_depend_on_m_or_their_neighbours(device, 
             assert torch.equal(product(slice(m, m + 1), tiles=tiles), every[m:m + 1]), (name, m)
 
 
+@pytest.mark.parametrize("kind", ["block", "dot"])
+def test_a_pipelined_k_loop_keeps_the_unrolled_loops_bits(device, kind):
+    """`GemvTiles.stages` changes when a chunk's loads are issued, not the sums: the same bits as the unrolled loop
+    (on a GPU the pipelined loop's loads run chunks ahead; the interpreter runs both in order)."""
+    x, norm, weight, _ = product_inputs(5, 576, 40, torch.bfloat16, device, seed=3)
+    tiles = layer_ops.GemvTiles(kind=kind, block_n=4 if kind == "dot" else None, block_k=64)
+    for product in (layer_ops.norm_linear, layer_ops.norm_gate_up_silu):
+        unrolled = product(x, norm, 1e-5, weight, tiles=tiles)
+        assert torch.equal(product(x, norm, 1e-5, weight, tiles=replace(tiles, stages=3)), unrolled), product
+
+
 def test_the_gemv_tiles_refuse_what_their_kernels_cannot_take():
     with pytest.raises(ValueError, match="at least 16"):
         layer_ops.GemvTiles(kind="dot", block_rows=8)
     with pytest.raises(ValueError, match="block variants"):
         layer_ops.GemvTiles(block_k=64)
+    with pytest.raises(ValueError, match="stages are the block variants"):
+        layer_ops.GemvTiles(kind="stream", stages=3)
     with pytest.raises(ValueError, match="power of two"):
         layer_ops.GemvTiles(kind="block", block_rows=6)
     with pytest.raises(ValueError, match="kind must be"):
