@@ -558,6 +558,7 @@ BLOCK_K = 64  # the K chunk of the block variants (576 = 9 chunks: no padding fo
 STREAM_K = 1024  # the stream variant's K chunk (at most K's power of two)
 DOT_K = int(os.environ.get("FLASHSPEC_DOT_K", "256"))  # the dot variant's K chunk by default (at most K's power of two)
 DOT_N = int(os.environ.get("FLASHSPEC_DOT_N", "0"))  # the dot variant's outputs a program (0: by the product's shape)
+DOT_STAGES = int(os.environ.get("FLASHSPEC_DOT_STAGES", "1"))  # the dot variant's K loop: unrolled (1) or pipelined
 PDL = os.environ.get("FLASHSPEC_PDL", "0") == "1"  # the kernels here as programmatic dependent launches (`pdl_on`)
 GEMV_KIND = os.environ.get("FLASHSPEC_GEMV", "loop")  # the products' kind by default (GemvTiles.kind; A/B runs)
 
@@ -581,7 +582,8 @@ class GemvTiles:
     block_rows: int | None = None  # the block variants' rows at once (None: BLOCK_ROWS[kind])
     block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K; dot: DOT_K; stream: STREAM_K)
     pdl: bool | None = None  # the kernel as a programmatic dependent launch (None: `pdl_on`'s)
-    stages: int = 1  # the block variants' K loop: unrolled (1), or pipelined that many chunks deep
+    stages: int | None = None  # the block variants' K loop: unrolled (1), or pipelined that many chunks deep (None:
+    #                            1; dot: DOT_STAGES)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -590,9 +592,9 @@ class GemvTiles:
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"{name} must be a power of two, got {value}")
-        if self.rows < 1 or self.stages < 1:
+        if self.rows < 1 or (self.stages or 1) < 1:
             raise ValueError(f"rows and stages must be positive, got {self}")
-        if self.stages > 1 and self.kind not in ("block", "dot"):
+        if (self.stages or 1) > 1 and self.kind not in ("block", "dot"):
             raise ValueError(f"stages are the block variants', not the {self.kind}'s: {self}")
         if self.kind == "dot" and min(self.block_rows or 16, self.block_k or 16) < 16:
             raise ValueError(f"tl.dot needs blocks of at least 16 rows and K, got {self}")  # block_n: padded
@@ -617,7 +619,8 @@ class GemvTiles:
             dot_n = DOT_N or (64 if n_out >= 8192 else 32)  # the fastest alone on an H200 (an LM head; a layer's)
             return replace(self, block_n=self.block_n or (dot_n if self.kind == "dot" else 4), warps=self.warps or 4,
                            block_rows=self.block_rows or BLOCK_ROWS[self.kind], pdl=self._pdl(device),
-                           block_k=min(block_k, triton.next_power_of_2(K)))
+                           block_k=min(block_k, triton.next_power_of_2(K)),
+                           stages=self.stages or (DOT_STAGES if self.kind == "dot" else 1))
         # the interpreter runs its programs one after another: as if on one SM, the fewest programs
         block_n = self.block_n or next((b for b in (16, 8) if triton.cdiv(n_out, b) >= sms), 4)
         values = block_n * triton.next_power_of_2(K) * (2 if paired else 1)
