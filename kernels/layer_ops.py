@@ -303,6 +303,12 @@ if triton is not None:
         return tl.load(ptr + r[:, None] * K + k[None, :], mask=live_r[:, None] & (k < K)[None, :], other=0.0)
 
     @triton.jit
+    def _weights(w_ptr, n, k, live_n, N, K: tl.constexpr, SILU: tl.constexpr):
+        """A GEMV's weight tile for outputs n, columns k, and with SILU the up rows' beside it (all masked, no load,
+        without)."""
+        return _block(w_ptr, n, k, live_n, K), _block(w_ptr + N * K, n, k, live_n & SILU, K)
+
+    @triton.jit
     def _rows_inv_rms(a_ptr, m, live_m, eps, K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
         """1 / rms of rows m of a row-major [*, K] tensor, its squares summed over K in BLOCK_K chunks."""
         squares = tl.zeros([ROWS], dtype=tl.float32)
@@ -355,8 +361,7 @@ if triton is not None:
         live_n, live_m = (j < BLOCK_N) & (n < N), m < M
         dt = out_ptr.dtype.element_ty
         k0 = tl.arange(0, BLOCK_K)
-        w0 = _block(w_ptr, n, k0, live_n, K)
-        w0_up = _block(w_ptr + N * K, n, k0, live_n & SILU, K)  # all masked (no load) without SILU
+        w0, w0_up = _weights(w_ptr, n, k0, live_n, N, K, SILU)
         _wait_for_inputs(GDC)
         scale = tl.full([ROWS_BLOCK], 1.0, tl.float32)
         if NORM:
@@ -367,15 +372,15 @@ if triton is not None:
         if STAGES > 1:
             for c in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
                 k = c + k0
-                y, y_up = _block_chunk(y, y_up, _block(w_ptr, n, k, live_n, K),
-                                       _block(w_ptr + N * K, n, k, live_n & SILU, K), a_ptr, norm_ptr, m, live_m, k,
-                                       scale, K, NORM, SILU, DOT, WIDE, dt)
+                w, w_up = _weights(w_ptr, n, k, live_n, N, K, SILU)
+                y, y_up = _block_chunk(y, y_up, w, w_up, a_ptr, norm_ptr, m, live_m, k, scale, K, NORM, SILU, DOT, WIDE,
+                                       dt)
         else:
             for c in tl.static_range(BLOCK_K, K, BLOCK_K):
                 k = c + k0
-                y, y_up = _block_chunk(y, y_up, _block(w_ptr, n, k, live_n, K),
-                                       _block(w_ptr + N * K, n, k, live_n & SILU, K), a_ptr, norm_ptr, m, live_m, k,
-                                       scale, K, NORM, SILU, DOT, WIDE, dt)
+                w, w_up = _weights(w_ptr, n, k, live_n, N, K, SILU)
+                y, y_up = _block_chunk(y, y_up, w, w_up, a_ptr, norm_ptr, m, live_m, k, scale, K, NORM, SILU, DOT, WIDE,
+                                       dt)
         at = out_ptr + m[:, None] * N + n[None, :]
         live = live_m[:, None] & live_n[None, :]
         if SILU:
@@ -413,8 +418,7 @@ if triton is not None:
         live_n = n < N
         dt = out_ptr.dtype.element_ty
         k0 = tl.arange(0, BLOCK_K)
-        w0 = _block(w_ptr, n, k0, live_n, K)
-        w0_up = _block(w_ptr + N * K, n, k0, live_n & SILU, K)  # all masked (no load) without SILU
+        w0, w0_up = _weights(w_ptr, n, k0, live_n, N, K, SILU)
         _wait_for_inputs(GDC)  # the first chunk's weights (never written) loaded before the wait
         m = tl.program_id(1) * rows
         last = tl.minimum(m + rows, M)
@@ -430,9 +434,8 @@ if triton is not None:
             acc, acc_up = _stream_chunk(acc, acc_up, w0, w0_up, row, norm_ptr, k0, k0 < K, scale, NORM, SILU, dt)
             for c in tl.static_range(BLOCK_K, K, BLOCK_K):
                 k = c + k0
-                acc, acc_up = _stream_chunk(acc, acc_up, _block(w_ptr, n, k, live_n, K),
-                                            _block(w_ptr + N * K, n, k, live_n & SILU, K), row, norm_ptr, k, k < K,
-                                            scale, NORM, SILU, dt)
+                w, w_up = _weights(w_ptr, n, k, live_n, N, K, SILU)
+                acc, acc_up = _stream_chunk(acc, acc_up, w, w_up, row, norm_ptr, k, k < K, scale, NORM, SILU, dt)
             y = tl.sum(acc, axis=1)
             if SILU:
                 y = _silu_mul(_round(y, dt), _round(tl.sum(acc_up, axis=1), dt), dt)
@@ -456,8 +459,7 @@ if triton is not None:
         live_m, live_n = m < M, n < N
         dt = out_ptr.dtype.element_ty
         k0 = tl.arange(0, BLOCK_K)
-        w0 = _block(w_ptr, n, k0, live_n, K)
-        w0_up = _block(w_ptr + N * K, n, k0, live_n & SILU, K)  # all masked (no load) without SILU
+        w0, w0_up = _weights(w_ptr, n, k0, live_n, N, K, SILU)
         _wait_for_inputs(GDC)  # the first chunk's weights (never written) loaded before the wait
         if NORM:
             scale = _rows_inv_rms(a_ptr, m, live_m, eps, K, BLOCK_K, R)
@@ -472,8 +474,7 @@ if triton is not None:
             if c == 0:
                 w, w_up = w0, w0_up
             else:
-                w = _block(w_ptr, n, k, live_n, K)
-                w_up = _block(w_ptr + N * K, n, k, live_n & SILU, K)
+                w, w_up = _weights(w_ptr, n, k, live_n, N, K, SILU)
             h = _block(a_ptr, m, k, live_m, K).to(tl.float32)
             if NORM:
                 norm = tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32)
