@@ -15,7 +15,8 @@ of a layer of `--shape` (and the LM head) alone at M = 1, 8 and 17 rows (`--prod
 default tiles and a few others of each of `--kinds` (the block variants: 8 rows a program at once in registers, or 16
 on the tensor cores; the stream: K in chunks, for a large K; "rows": the stream over 4-16 rows at once), each a CUDA
 graph of 100 calls, median replay / 100, with the weight's bytes a second, each fused row's largest difference from
-the "triton" ops and whether its M rows equal the rows alone bit for bit. The weight floor divides by the device's stated bandwidth (`HBM_BYTES_PER_S`).
+the "triton" ops and whether its M rows equal the rows alone bit for bit. The weight floor divides by the device's
+stated bandwidth (`HBM_BYTES_PER_S`).
 Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
 Numbers, not assertions. CUDA only.
 """
@@ -308,7 +309,8 @@ def print_products(rows: list[dict]) -> None:
         t, cublas = r.get("tiles", {}), base.get((r["product"], r["M"]))
         ratio = f"{r['us'] / cublas:.2f}" if cublas else "-"
         rows_ = t.get("rows", "") if t.get("kind") in ("loop", "stream") else t.get("block_rows", "")
-        kind = t.get("kind", "") + (" pdl" if t.get("pdl") else "")
+        stages = f" {t['stages']} stages" if (t.get("stages") or 1) > 1 else ""
+        kind = t.get("kind", "") + (" pdl" if t.get("pdl") else "") + stages
         print(f"| {r['product']} | {r['M']} | {r['op']} | {kind} | {t.get('block_n', '')} | {rows_} | "
               f"{t.get('warps', '')} | {t.get('block_k') or ''} | {r['us']:.2f} | {r['tb_per_s']:.2f} | {ratio} | "
               f"{r.get('max_diff_vs_triton', '')} | {r.get('rows_equal_alone', '')} |")

@@ -326,15 +326,21 @@ if triton is not None:
         return y + tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
     @triton.jit
-    def _block_chunk(y, y_up, w, w_up, a_ptr, norm_ptr, m, live_m, k, scale, K: tl.constexpr, NORM: tl.constexpr,
-                     SILU: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr, dt: tl.constexpr):
-        """`_gemv_block_kernel`'s K chunk k: the rows' h (normed with NORM, rounded to dt) times the weight tile w
-        (and w_up: the up rows), added into y (and y_up) by `_chunk_product`."""
+    def _rows_chunk(a_ptr, norm_ptr, m, live_m, k, scale, K: tl.constexpr, NORM: tl.constexpr, dt: tl.constexpr):
+        """Rows m, columns k of a [*, K] input in float32: as they are, or with NORM scaled by their RMSNorm scales
+        and the norm's weight (`_scaled`: at dt's precision)."""
         h = _block(a_ptr, m, k, live_m, K).to(tl.float32)
         if NORM:
             norm = tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             h = _scaled(h, scale[:, None], norm[None, :], dt)
-        h = h.to(dt)  # the product reads h at out's dtype
+        return h
+
+    @triton.jit
+    def _block_chunk(y, y_up, w, w_up, a_ptr, norm_ptr, m, live_m, k, scale, K: tl.constexpr, NORM: tl.constexpr,
+                     SILU: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr, dt: tl.constexpr):
+        """`_gemv_block_kernel`'s K chunk k: the rows' h (`_rows_chunk`) times the weight tile w (and w_up: the up
+        rows), added into y (and y_up) by `_chunk_product`."""
+        h = _rows_chunk(a_ptr, norm_ptr, m, live_m, k, scale, K, NORM, dt).to(dt)  # the product reads h at out's dtype
         y = _chunk_product(y, h, w, DOT, WIDE)
         if SILU:
             y_up = _chunk_product(y_up, h, w_up, DOT, WIDE)
@@ -461,6 +467,7 @@ if triton is not None:
         k0 = tl.arange(0, BLOCK_K)
         w0, w0_up = _weights(w_ptr, n, k0, live_n, N, K, SILU)
         _wait_for_inputs(GDC)  # the first chunk's weights (never written) loaded before the wait
+        scale = tl.full([R], 1.0, tl.float32)
         if NORM:
             scale = _rows_inv_rms(a_ptr, m, live_m, eps, K, BLOCK_K, R)
         if ADD:
@@ -470,15 +477,11 @@ if triton is not None:
         acc_up = tl.zeros([R, BLOCK_N, BLOCK_K], dtype=tl.float32)
         for c in tl.static_range(0, K, BLOCK_K):
             k = c + k0
-            live_k = k < K
             if c == 0:
                 w, w_up = w0, w0_up
             else:
                 w, w_up = _weights(w_ptr, n, k, live_n, N, K, SILU)
-            h = _block(a_ptr, m, k, live_m, K).to(tl.float32)
-            if NORM:
-                norm = tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32)
-                h = _scaled(h, scale[:, None], norm[None, :], dt)
+            h = _rows_chunk(a_ptr, norm_ptr, m, live_m, k, scale, K, NORM, dt)
             acc += w.to(tl.float32)[None, :, :] * h[:, None, :]
             if SILU:
                 acc_up += w_up.to(tl.float32)[None, :, :] * h[:, None, :]
@@ -554,7 +557,8 @@ _TL = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.
 CHUNK = 64  # keys a program of the attention takes
 ROWS = 4  # rows a GEMV program takes in turn (more rows go to more programs, which read the same weight tiles)
 KINDS = ("loop", "block", "dot", "stream", "rows")  # the GEMV variants (GemvTiles.kind)
-BLOCK_ROWS = {"block": 8, "dot": 16, "rows": 8}  # rows a program of the block variants takes at once (never M's; tl.dot: >= 16)
+BLOCK_ROWS = {"block": 8, "dot": 16, "rows": 8}  # rows a program of the block variants takes at once (never M's;
+#                                                  tl.dot: >= 16)
 BLOCK_K = 64  # the K chunk of the block variants (576 = 9 chunks: no padding for the embedded model)
 STREAM_K = 1024  # the stream variant's K chunk (at most K's power of two)
 DOT_K = int(os.environ.get("FLASHSPEC_DOT_K", "256"))  # the dot variant's K chunk by default (at most K's power of two)
@@ -804,8 +808,8 @@ def add_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, *,
 
 
 def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu: bool = False, add: bool = False):
-    """`_gemv_kernel` (or `_gemv_block_kernel`: tiles.kind "block" or "dot"; None: GEMV_KIND's defaults) over the
-    rows of a [M, K] into out [M, N] (with silu N is half weight's rows)."""
+    """The GEMV kernel of tiles.kind ("loop" `_gemv_kernel`, "block" / "dot" `_gemv_block_kernel`, "stream", "rows";
+    None: GEMV_KIND's defaults) over the rows of a [M, K] into out [M, N] (with silu N is half weight's rows)."""
     if a.data_ptr() % 16:  # a fresh copy is aligned: a misaligned view would compile other layouts, other sums
         a = a.clone()
     M, K = a.shape
@@ -814,29 +818,23 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu
                          f"{weight.stride()}")
     n_out = out.shape[1]
     tiles = (tiles or GemvTiles(kind=GEMV_KIND)).resolved(n_out, K, silu, a.device)
+    norm = weight if norm_weight is None else norm_weight  # (no norm: a pointer the kernel never reads)
+    flags = dict(NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, num_warps=tiles.warps,
+                 **_launch(a.device, tiles.pdl))
     if tiles.kind == "rows":
         _gemv_rows_kernel[(triton.cdiv(M, tiles.block_rows), triton.cdiv(n_out, tiles.block_n))](
-            a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, eps, K=K,
-            NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            R=tiles.block_rows, num_warps=tiles.warps, **_launch(a.device, tiles.pdl))
-        return out
-    if tiles.kind == "stream":
+            a, norm, weight, out, M, n_out, eps, K=K, BLOCK_K=tiles.block_k, R=tiles.block_rows, **flags)
+    elif tiles.kind == "stream":
         _gemv_stream_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))](
-            a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, eps, tiles.rows, K=K,
-            NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            KP=triton.next_power_of_2(K), num_warps=tiles.warps, **_launch(a.device, tiles.pdl))
-        return out
-    if tiles.kind != "loop":
+            a, norm, weight, out, M, n_out, eps, tiles.rows, K=K, BLOCK_K=tiles.block_k, KP=triton.next_power_of_2(K),
+            **flags)
+    elif tiles.kind != "loop":
         wide = tl.float32 if INTERPRETED else _TL[out.dtype]  # the interpreter's tl.dot: float32 (exact for bf16)
         _gemv_block_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.block_rows))](
-            a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, eps, K=K,
-            NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            ROWS_BLOCK=tiles.block_rows, DOT=tiles.kind == "dot", WIDE=wide, num_warps=tiles.warps,
-            TILE_N=max(tiles.block_n, 16) if tiles.kind == "dot" else tiles.block_n, STAGES=tiles.stages,
-            **_launch(a.device, tiles.pdl))
-        return out
-    grid = (triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))
-    _gemv_kernel[grid](a, weight if norm_weight is None else norm_weight, weight, out, M, n_out, K, eps, tiles.rows,
-                       NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n,
-                       BLOCK_K=triton.next_power_of_2(K), num_warps=tiles.warps, **_launch(a.device, tiles.pdl))
+            a, norm, weight, out, M, n_out, eps, K=K, BLOCK_K=tiles.block_k, ROWS_BLOCK=tiles.block_rows,
+            DOT=tiles.kind == "dot", WIDE=wide, STAGES=tiles.stages,
+            TILE_N=max(tiles.block_n, 16) if tiles.kind == "dot" else tiles.block_n, **flags)
+    else:
+        _gemv_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))](
+            a, norm, weight, out, M, n_out, K, eps, tiles.rows, BLOCK_K=triton.next_power_of_2(K), **flags)
     return out
