@@ -424,7 +424,7 @@ PDL = [pytest.param(layer_ops.GemvTiles(kind=kind, pdl=True), marks=ON_HOPPER, i
 
 
 @pytest.mark.parametrize("tiles", [layer_ops.GemvTiles(), *BLOCKS.values(), *PDL],
-                         ids=["loop", *BLOCKS, "stream-pdl", "rows-pdl", "dot-pdl"])
+                         ids=["loop", *BLOCKS, *(p.id for p in PDL)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("M,K,N", [(5, 96, 42), (3, 576, 40), (2, 1536, 24)],
                          ids=["irregular", "hidden-576", "intermediate-1536"])
@@ -525,6 +525,6 @@ def test_programmatic_dependent_launches_stay_off_where_the_device_has_none(monk
     cpu = torch.device("cpu")
     assert not layer_ops.pdl_on(cpu) and layer_ops._launch(cpu) == {"GDC": False}
     assert layer_ops._launch(cpu, pdl=False) == {"GDC": False}
-    for kind in ("loop", "stream"):
+    for kind in layer_ops.KINDS:
         assert layer_ops.GemvTiles(kind=kind).resolved(64, 576, False, cpu).pdl is False
         assert layer_ops.GemvTiles(kind=kind, pdl=True).resolved(64, 576, False, cpu).pdl is False
