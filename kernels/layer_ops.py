@@ -450,49 +450,6 @@ if triton is not None:
             tl.store(out_ptr + m * N + n, _round(y, dt).to(dt), mask=live_n)
             m += 1
 
-    @triton.jit(do_not_specialize=["M"])
-    def _gemv_rows_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, K: tl.constexpr, NORM: tl.constexpr,
-                          SILU: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          R: tl.constexpr, GDC: tl.constexpr):
-        """`_gemv_stream_kernel` over R rows at once: one program per (R rows, BLOCK_N outputs), the row blocks
-        numbered first so that the programs of one weight tile run side by side. Each weight chunk is read once
-        for the R rows, each row's products added into its own float32 tile [R, BLOCK_N, BLOCK_K], summed once
-        at the end; a norm's sum of squares goes over the same chunks. R is fixed (never M's), rows past M are
-        zeros and never stored, so a row's bits do not depend on M or on the rows beside it: a verify of 2-41
-        tokens gives each token a one-token step's bits, reading the weights once per R rows."""
-        m = tl.program_id(0) * R + tl.arange(0, R)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        live_m, live_n = m < M, n < N
-        dt = out_ptr.dtype.element_ty
-        k0 = tl.arange(0, BLOCK_K)
-        w0, w0_up = _weights(w_ptr, n, k0, live_n, N, K, SILU)
-        _wait_for_inputs(GDC)  # the first chunk's weights (never written) loaded before the wait
-        scale = tl.full([R], 1.0, tl.float32)
-        if NORM:
-            scale = _rows_inv_rms(a_ptr, m, live_m, eps, K, BLOCK_K, R)
-        if ADD:
-            residual = tl.load(out_ptr + m[:, None] * N + n[None, :], mask=live_m[:, None] & live_n[None, :],
-                               other=0.0).to(tl.float32)
-        acc = tl.zeros([R, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_up = tl.zeros([R, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for c in tl.static_range(0, K, BLOCK_K):
-            k = c + k0
-            if c == 0:
-                w, w_up = w0, w0_up
-            else:
-                w, w_up = _weights(w_ptr, n, k, live_n, N, K, SILU)
-            h = _rows_chunk(a_ptr, norm_ptr, m, live_m, k, scale, K, NORM, dt)
-            acc += w.to(tl.float32)[None, :, :] * h[:, None, :]
-            if SILU:
-                acc_up += w_up.to(tl.float32)[None, :, :] * h[:, None, :]
-        y = tl.sum(acc, axis=2)
-        if SILU:
-            y = _silu_mul(_round(y, dt), _round(tl.sum(acc_up, axis=2), dt), dt)
-        if ADD:
-            y += residual
-        at = out_ptr + m[:, None] * N + n[None, :]
-        tl.store(at, _round(y, dt).to(dt), mask=live_m[:, None] & live_n[None, :])
-
     @triton.jit
     def _attention_part_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, slot_ptr, part_ptr, T, S, scaling, k_batch, k_head,
                                k_slot, v_batch, v_head, v_slot, KV: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
@@ -556,8 +513,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter multi
 _TL = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 CHUNK = 64  # keys a program of the attention takes
 ROWS = 4  # rows a GEMV program takes in turn (more rows go to more programs, which read the same weight tiles)
-KINDS = ("loop", "block", "dot", "stream", "rows")  # the GEMV variants (GemvTiles.kind)
-BLOCK_ROWS = {"block": 8, "dot": 16, "rows": 8}  # rows a program of the block variants takes at once (never M's;
+KINDS = ("loop", "block", "dot", "stream")  # the GEMV variants (GemvTiles.kind)
+BLOCK_ROWS = {"block": 8, "dot": 16}  # rows a program of the block variants takes at once (never M's;
 #                                                  tl.dot: >= 16)
 BLOCK_K = 64  # the K chunk of the block variants (576 = 9 chunks: no padding for the embedded model)
 STREAM_K = 1024  # the stream variant's K chunk (at most K's power of two)
@@ -575,8 +532,7 @@ class GemvTiles:
     depend on M (the defaults depend on the weight's shape and the device only). Kinds: "loop" takes a program's
     rows in turn, each over its whole weight tile; "block" takes `block_rows` rows at once, K in chunks, products
     summed in registers; "dot" the same on the tensor cores; "stream" takes its rows in turn like the loop, each
-    streaming the weight tile in `block_k` chunks (a large K: a 1.1B model's products); "rows" the stream over
-    `block_rows` rows at once, each weight chunk read once for them (a verify's rows)."""
+    streaming the weight tile in `block_k` chunks (a large K: a 1.1B model's products)."""
 
     kind: str = "loop"
     block_n: int | None = None  # outputs a program computes (None: loop 16, 8 or 4, the largest giving every SM one;
@@ -611,10 +567,6 @@ class GemvTiles:
     def resolved(self, n_out: int, K: int, paired: bool, device: torch.device) -> "GemvTiles":
         """These tiles with the defaults filled in for n_out outputs over K inputs (paired: two weight rows each)."""
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        if self.kind == "rows":
-            return replace(self, block_n=self.block_n or 4, warps=self.warps or 4, pdl=self._pdl(device),
-                           block_rows=self.block_rows or BLOCK_ROWS["rows"],
-                           block_k=min(self.block_k or 256, triton.next_power_of_2(K)))
         if self.kind == "stream":
             block_n = self.block_n or (8 if triton.cdiv(n_out, 8) >= 2 * sms else 4)
             return replace(self, block_n=block_n, warps=self.warps or 4, pdl=self._pdl(device),
@@ -808,7 +760,7 @@ def add_linear_(x: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, *,
 
 
 def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu: bool = False, add: bool = False):
-    """The GEMV kernel of tiles.kind ("loop" `_gemv_kernel`, "block" / "dot" `_gemv_block_kernel`, "stream", "rows";
+    """The GEMV kernel of tiles.kind ("loop" `_gemv_kernel`, "block" / "dot" `_gemv_block_kernel`, "stream";
     None: GEMV_KIND's defaults) over the rows of a [M, K] into out [M, N] (with silu N is half weight's rows)."""
     if a.data_ptr() % 16:  # a fresh copy is aligned: a misaligned view would compile other layouts, other sums
         a = a.clone()
@@ -821,10 +773,7 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu
     norm = weight if norm_weight is None else norm_weight  # (no norm: a pointer the kernel never reads)
     flags = dict(NORM=norm_weight is not None, SILU=silu, ADD=add, BLOCK_N=tiles.block_n, num_warps=tiles.warps,
                  **_launch(a.device, tiles.pdl))
-    if tiles.kind == "rows":
-        _gemv_rows_kernel[(triton.cdiv(M, tiles.block_rows), triton.cdiv(n_out, tiles.block_n))](
-            a, norm, weight, out, M, n_out, eps, K=K, BLOCK_K=tiles.block_k, R=tiles.block_rows, **flags)
-    elif tiles.kind == "stream":
+    if tiles.kind == "stream":
         _gemv_stream_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))](
             a, norm, weight, out, M, n_out, eps, tiles.rows, K=K, BLOCK_K=tiles.block_k, KP=triton.next_power_of_2(K),
             **flags)

@@ -446,7 +446,7 @@ def test_graphs_match_eager_static_and_hf_bf16(shape):
 @cuda
 def test_the_layer_ops_give_a_verify_the_bits_of_one_token_steps_through_graphs_in_bf16(monkeypatch):
     """Every kernel layer_ops on the embedded model's shape (the fused one with each GEMV kind that keeps a row's
-    bits whatever M, the rows and dot kinds also as programmatic dependent launches where the GPU has them): an 8-token
+    bits whatever M, the dot kind also as programmatic dependent launches where the GPU has them): an 8-token
     verify (its own graph) gives the bits of 8 one-token steps (theirs), and the "folded" and "fused" logits are as
     close to float32's as the "triton" ops'."""
     import copy
@@ -457,7 +457,7 @@ def test_the_layer_ops_give_a_verify_the_bits_of_one_token_steps_through_graphs_
     g = torch.Generator().manual_seed(12)
     prompt, new = (torch.randint(0, model.config.vocab_size, (1, n), generator=g).cuda() for n in (40, 8))
     logits = {}
-    for name in ("triton", "folded", "fused", "fused:stream", "fused:rows", "fused:rows+pdl", "fused:dot+pdl"):
+    for name in ("triton", "folded", "fused", "fused:stream", "fused:dot", "fused:dot+pdl"):
         ops, _, kind = name.partition(":")
         monkeypatch.setattr(kernels, "GEMV_KIND", kind.partition("+")[0] or "loop")
         monkeypatch.setattr(kernels, "PDL", name.endswith("+pdl"))

@@ -411,7 +411,7 @@ def close(got, want, dtype) -> bool:
     return torch.allclose(got.float(), want.float(), rtol=tol, atol=2 * tol)
 
 
-BLOCKS = {kind: layer_ops.GemvTiles(kind=kind) for kind in ("block", "dot", "stream", "rows")}
+BLOCKS = {kind: layer_ops.GemvTiles(kind=kind) for kind in ("block", "dot", "stream")}
 BLOCKS["stream-64"] = layer_ops.GemvTiles(kind="stream", block_k=64)  # K in several chunks
 BLOCKS["dot-4"] = layer_ops.GemvTiles(kind="dot", block_n=4)  # 4 outputs a program in tl.dot's 16-wide tile
 BLOCKS["dot-piped"] = layer_ops.GemvTiles(kind="dot", block_n=4, block_k=64, stages=3)  # the K loop pipelined
@@ -420,7 +420,7 @@ BLOCKS["dot-piped"] = layer_ops.GemvTiles(kind="dot", block_n=4, block_k=64, sta
 ON_HOPPER = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                                reason="a programmatic dependent launch needs a GPU of compute capability 9 or more")
 PDL = [pytest.param(layer_ops.GemvTiles(kind=kind, pdl=True), marks=ON_HOPPER, id=f"{kind}-pdl")
-       for kind in ("stream", "rows", "dot")]
+       for kind in ("stream", "dot")]
 
 
 @pytest.mark.parametrize("tiles", [layer_ops.GemvTiles(), *BLOCKS.values(), *PDL],
