@@ -13,8 +13,8 @@ with the norms folded into the products; `fused` with its GEMV products. `--prod
 of a layer of `--shape` (and the LM head) alone at M = 1, 8 and 17 rows (`--product-rows`): cuBLAS's product, the
 "triton" loop's ops for the same job (RMSNorm kernel + cuBLAS, + silu_mul), and the fused GEMV kernel under its
 default tiles and a few others of each of `--kinds` (the block variants: 8 rows a program at once in registers, or 16
-on the tensor cores; the stream: K in chunks, for a large K; "rows": the stream over 4-16 rows at once), each a CUDA
-graph of 100 calls, median replay / 100, with the weight's bytes a second, each fused row's largest difference from
+on the tensor cores; the stream: K in chunks, for a large K), each a CUDA graph of 100 calls (`--cold`: over copies
+of the weight that overflow the L2 cache, as a step reads them), median replay / 100, with the weight's bytes a second, each fused row's largest difference from
 the "triton" ops and whether its M rows equal the rows alone bit for bit. The weight floor divides by the device's
 stated bandwidth (`HBM_BYTES_PER_S`).
 Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
@@ -95,11 +95,14 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 200) -> float:
     return median(times[10:])
 
 
-def per_call_us(fn, calls: int = 100) -> float:
-    """Median us of one call of fn, from a CUDA graph of `calls` calls."""
+def per_call_us(fns, calls: int = 100) -> float:
+    """Median us of one call, from a CUDA graph of `calls` calls taking the callables `fns` in turn (one: always
+    the same inputs; several, each over its own copy of the weights: as cold as a step's, see `copies_for`)."""
+    fns = fns if isinstance(fns, list) else [fns]
+
     def many():
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fns[i % len(fns)]()
     return replay_ms(capture(many), reps=50) * 1e3 / calls
 
 
@@ -163,10 +166,18 @@ def measure(lm: StaticCausalLM, T: int, S: int, compiled: bool) -> dict:
     return row
 
 
-def product_inputs(K: int, N: int, kind: str, M: int) -> dict:
+def copies_for(K: int, N: int, cold: bool) -> int:
+    """Copies of a product's weight to take in turn: enough to fill the L2 cache twice when `cold` (a step reads
+    each weight once, from memory; one copy timed 100 times reads a small weight from L2), else one."""
+    if not cold:
+        return 1
+    return max(1, -(-2 * torch.cuda.get_device_properties(0).L2_cache_size // (N * K * 2)))
+
+
+def product_inputs(K: int, N: int, kind: str, M: int, copy: int = 0) -> dict:
     """Random bf16 inputs of one product: x [M, K] (the residual [M, N] for add_linear_), its norm's weight,
-    the weight [N, K] and a [M, K] (add_linear_'s input)."""
-    g = torch.Generator(device="cuda").manual_seed(M * 7919 + N)
+    the weight [N, K] and a [M, K] (add_linear_'s input); `copy` seeds another set."""
+    g = torch.Generator(device="cuda").manual_seed(M * 7919 + N + copy * 104729)
     new = lambda *shape, scale=1.0: (scale * torch.randn(*shape, generator=g, device="cuda")).to(torch.bfloat16)
     rows = N if kind == "add_linear_" else K
     return {"x": new(M, rows), "norm": 1 + new(K, scale=0.1), "weight": new(N, K, scale=0.02), "a": new(M, K)}
@@ -191,7 +202,7 @@ def product_call(kind: str, op: str, t: dict, tiles=None):
 def tile_choices(M: int, kinds):
     """The fused kernel's default tiles, then a few others, of the GEMV `kinds` (duplicates are dropped by the
     caller)."""
-    choices = [*loop_block_dot_choices(M), *stream_choices(), *rows_choices()]
+    choices = [*loop_block_dot_choices(M), *stream_choices()]
     yield from (t for t in choices if t.kind in kinds)
 
 
@@ -203,13 +214,6 @@ def stream_choices():
                 yield layer_ops.GemvTiles(kind="stream", block_n=block_n, block_k=block_k, pdl=pdl)
         for warps in (2, 8):
             yield layer_ops.GemvTiles(kind="stream", warps=warps, pdl=pdl)
-
-
-def rows_choices():
-    for pdl in (False, True):
-        yield layer_ops.GemvTiles(kind="rows", pdl=pdl)
-        for block_rows, block_n, block_k in ((8, 4, 128), (8, 8, 128), (16, 4, 128), (4, 4, 256), (4, 8, 256)):
-            yield layer_ops.GemvTiles(kind="rows", block_rows=block_rows, block_n=block_n, block_k=block_k, pdl=pdl)
 
 
 def loop_block_dot_choices(M: int):
@@ -259,16 +263,19 @@ def fused_checks(kind: str, t: dict, tiles, reference: torch.Tensor) -> dict:
             "rows_equal_alone": bool(torch.equal(every, alone))}
 
 
-def measure_product(name: str, product: tuple[int, int, str], M: int, op: str, tiles=None, reference=None) -> dict:
-    """One row of the products table; an error becomes the row's "error"."""
+def measure_product(name: str, product: tuple[int, int, str], M: int, op: str, tiles=None, reference=None,
+                    cold: bool = False) -> dict:
+    """One row of the products table (`cold`: the weights read from memory, `copies_for`); an error becomes the
+    row's "error"."""
     K, N, kind = product
-    row = {"product": name, "M": M, "K": K, "N": N, "op": op}
+    row = {"product": name, "M": M, "K": K, "N": N, "op": op, "weight_copies": copies_for(K, N, cold)}
     try:
         t = product_inputs(K, N, kind, M)
         if tiles is not None:
             row["tiles"] = vars(resolve(product, tiles))
             row.update(fused_checks(kind, t, tiles, reference))
-        row["us"] = per_call_us(product_call(kind, op, t, tiles))
+        sets = [t] + [product_inputs(K, N, kind, M, c) for c in range(1, row["weight_copies"])]
+        row["us"] = per_call_us([product_call(kind, op, s, tiles) for s in sets])
         row["tb_per_s"] = N * K * 2 / row["us"] / 1e6  # the bf16 weight's bytes a microsecond, in TB/s
     except Exception as e:  # noqa: BLE001 - a failed kernel is a result; the other rows still run
         row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300] if str(e).strip() else ''}"
@@ -276,15 +283,15 @@ def measure_product(name: str, product: tuple[int, int, str], M: int, op: str, t
 
 
 @torch.inference_mode()
-def products(write_rows, shape: str, kinds, rows_at=PRODUCT_ROWS) -> list[dict]:
+def products(write_rows, shape: str, kinds, rows_at=PRODUCT_ROWS, cold: bool = False) -> list[dict]:
     """Every product of `shape` at each M of rows_at: cuBLAS, the "triton" ops, the fused kernel under each tile
-    choice of the GEMV `kinds`."""
+    choice of the GEMV `kinds` (`cold`: each timed over copies of its weights that overflow the L2 cache)."""
     rows = []
     for name, product in products_of(shape).items():
         K, N, kind = product
         for M in rows_at:
             for op in ("cublas", "triton"):
-                rows.append(measure_product(name, product, M, op))
+                rows.append(measure_product(name, product, M, op, cold=cold))
                 write_rows(rows)
             t = product_inputs(K, N, kind, M)
             reference = product_call(kind, "triton", {**t, "x": t["x"].clone()})()
@@ -292,7 +299,7 @@ def products(write_rows, shape: str, kinds, rows_at=PRODUCT_ROWS) -> list[dict]:
             for tiles in tile_choices(M, kinds):
                 if resolve(product, tiles) not in seen:
                     seen.add(resolve(product, tiles))
-                    rows.append(measure_product(name, product, M, "fused", tiles, reference))
+                    rows.append(measure_product(name, product, M, "fused", tiles, reference, cold))
                     write_rows(rows)
     return rows
 
@@ -396,6 +403,8 @@ def main(argv=None) -> int:
     ap.add_argument("--products", action="store_true",
                     help=f"also time each projection alone at M = {', '.join(map(str, PRODUCT_ROWS))}: cuBLAS, the "
                          "triton ops, the fused GEMV under several tiles")
+    ap.add_argument("--cold", action="store_true", help="--products reads its weights from memory, as a step does "
+                    "(each product timed over copies of its weight that fill the L2 cache twice)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu_step needs CUDA")
@@ -403,7 +412,7 @@ def main(argv=None) -> int:
     print_steps(rows)
     if args.products:
         print_products(products(lambda product_rows: write(rows, args, argv, product_rows), args.shape, args.kinds,
-                                args.product_rows))
+                                args.product_rows, args.cold))
     return 0
 
 
