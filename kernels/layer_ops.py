@@ -309,15 +309,6 @@ if triton is not None:
         return _block(w_ptr, n, k, live_n, K), _block(w_ptr + N * K, n, k, live_n & SILU, K)
 
     @triton.jit
-    def _rows_inv_rms(a_ptr, m, live_m, eps, K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
-        """1 / rms of rows m of a row-major [*, K] tensor, its squares summed over K in BLOCK_K chunks."""
-        squares = tl.zeros([ROWS], dtype=tl.float32)
-        for c in tl.static_range(0, K, BLOCK_K):
-            h = _block(a_ptr, m, c + tl.arange(0, BLOCK_K), live_m, K).to(tl.float32)
-            squares += tl.sum(h * h, axis=1)
-        return 1.0 / tl.sqrt(squares / K + eps)
-
-    @triton.jit
     def _chunk_product(y, h, w, DOT: tl.constexpr, WIDE: tl.constexpr):
         """y [rows, n] += h [rows, k] @ w [n, k].T for one K chunk: on the tensor cores (DOT, float32 sums), or as a
         [rows, n, k] tile of products summed over k (tl.sum: each output's order set by the shapes alone)."""
@@ -326,25 +317,20 @@ if triton is not None:
         return y + tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
     @triton.jit
-    def _rows_chunk(a_ptr, norm_ptr, m, live_m, k, scale, K: tl.constexpr, NORM: tl.constexpr, dt: tl.constexpr):
-        """Rows m, columns k of a [*, K] input in float32: as they are, or with NORM scaled by their RMSNorm scales
-        and the norm's weight (`_scaled`: at dt's precision)."""
-        h = _block(a_ptr, m, k, live_m, K).to(tl.float32)
-        if NORM:
-            norm = tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            h = _scaled(h, scale[:, None], norm[None, :], dt)
-        return h
-
-    @triton.jit
-    def _block_chunk(y, y_up, w, w_up, a_ptr, norm_ptr, m, live_m, k, scale, K: tl.constexpr, NORM: tl.constexpr,
+    def _block_chunk(y, y_up, squares, w, w_up, a_ptr, norm_ptr, m, live_m, k, K: tl.constexpr, NORM: tl.constexpr,
                      SILU: tl.constexpr, DOT: tl.constexpr, WIDE: tl.constexpr, dt: tl.constexpr):
-        """`_gemv_block_kernel`'s K chunk k: the rows' h (`_rows_chunk`) times the weight tile w (and w_up: the up
-        rows), added into y (and y_up) by `_chunk_product`."""
-        h = _rows_chunk(a_ptr, norm_ptr, m, live_m, k, scale, K, NORM, dt).to(dt)  # the product reads h at out's dtype
+        """`_gemv_block_kernel`'s K chunk k: the rows' x (with NORM their squares summed into `squares` and x times
+        the norm's weight, rounded once to dt) times the weight tile w (and w_up: the up rows), added into y (and
+        y_up) by `_chunk_product`."""
+        x = _block(a_ptr, m, k, live_m, K).to(tl.float32)
+        if NORM:
+            squares += tl.sum(x * x, axis=1)
+            x = x * tl.load(norm_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+        h = x.to(dt)  # the product reads h at out's dtype
         y = _chunk_product(y, h, w, DOT, WIDE)
         if SILU:
             y_up = _chunk_product(y_up, h, w_up, DOT, WIDE)
-        return y, y_up
+        return y, y_up, squares
 
     @triton.jit(do_not_specialize=["M"])
     def _gemv_block_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, K: tl.constexpr, NORM: tl.constexpr,
@@ -354,9 +340,10 @@ if triton is not None:
         """`_gemv_kernel`'s job with a program's rows all at once: one program per (BLOCK_N outputs, ROWS_BLOCK rows),
         out[rows, n] = h[rows, :K] @ w[n, :K].T over K in BLOCK_K chunks (float32 sums; `_block_chunk`): unrolled,
         or with STAGES > 1 a loop whose loads Triton pipelines that many chunks ahead (the same sums in the same
-        order). With NORM a first pass sums each row's squares (the chunks are read again for the product). The
-        roundings are `_gemv_kernel`'s: h rounded to out's dtype before the product, g and u rounded before silu, x
-        added before the one rounding. Rows past M are zeros and never stored; ROWS_BLOCK is fixed and M is not
+        order). With NORM, RMSNorm in the same pass: h is x times the norm's weight and each row's squares are
+        summed beside the product, whose float32 sums are scaled by the row's 1 / rms at the end (no first pass over
+        the rows before the weights: the "folded" ops' order, the norm's weight on x's side). h is rounded to out's
+        dtype before the product, g and u rounded before silu, x added before the one rounding. Rows past M are zeros and never stored; ROWS_BLOCK is fixed and M is not
         specialised on, so a row's bits do not depend on M or on the rows beside it. The first chunk's weights are
         loaded before `_wait_for_inputs` (the stream kernel's prefetch under a programmatic dependent launch).
         TILE_N >= BLOCK_N: the tile's width (tl.dot's 16 at least), its lanes past BLOCK_N masked (never read or
@@ -369,24 +356,26 @@ if triton is not None:
         k0 = tl.arange(0, BLOCK_K)
         w0, w0_up = _weights(w_ptr, n, k0, live_n, N, K, SILU)
         _wait_for_inputs(GDC)
-        scale = tl.full([ROWS_BLOCK], 1.0, tl.float32)
-        if NORM:
-            scale = _rows_inv_rms(a_ptr, m, live_m, eps, K, BLOCK_K, ROWS_BLOCK)
         y = tl.zeros([ROWS_BLOCK, TILE_N], dtype=tl.float32)
         y_up = tl.zeros([ROWS_BLOCK, TILE_N], dtype=tl.float32)
-        y, y_up = _block_chunk(y, y_up, w0, w0_up, a_ptr, norm_ptr, m, live_m, k0, scale, K, NORM, SILU, DOT, WIDE, dt)
+        squares = tl.zeros([ROWS_BLOCK], dtype=tl.float32)
+        y, y_up, squares = _block_chunk(y, y_up, squares, w0, w0_up, a_ptr, norm_ptr, m, live_m, k0, K, NORM, SILU, DOT,
+                                        WIDE, dt)
         if STAGES > 1:
             for c in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
                 k = c + k0
                 w, w_up = _weights(w_ptr, n, k, live_n, N, K, SILU)
-                y, y_up = _block_chunk(y, y_up, w, w_up, a_ptr, norm_ptr, m, live_m, k, scale, K, NORM, SILU, DOT, WIDE,
-                                       dt)
+                y, y_up, squares = _block_chunk(y, y_up, squares, w, w_up, a_ptr, norm_ptr, m, live_m, k, K, NORM, SILU,
+                                                DOT, WIDE, dt)
         else:
             for c in tl.static_range(BLOCK_K, K, BLOCK_K):
                 k = c + k0
                 w, w_up = _weights(w_ptr, n, k, live_n, N, K, SILU)
-                y, y_up = _block_chunk(y, y_up, w, w_up, a_ptr, norm_ptr, m, live_m, k, scale, K, NORM, SILU, DOT, WIDE,
-                                       dt)
+                y, y_up, squares = _block_chunk(y, y_up, squares, w, w_up, a_ptr, norm_ptr, m, live_m, k, K, NORM, SILU,
+                                                DOT, WIDE, dt)
+        if NORM:
+            scale = (1.0 / tl.sqrt(squares / K + eps))[:, None]
+            y, y_up = y * scale, y_up * scale
         at = out_ptr + m[:, None] * N + n[None, :]
         live = live_m[:, None] & live_n[None, :]
         if SILU:
