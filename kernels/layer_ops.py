@@ -385,33 +385,30 @@ if triton is not None:
         tl.store(at, _round(y, dt).to(dt), mask=live)
 
     @triton.jit
-    def _stream_chunk(acc, acc_up, squares, w, w_up, row_ptr, norm_ptr, k, live_k, NORM: tl.constexpr,
+    def _stream_chunk(acc, acc_up, w, w_up, row_ptr, norm_ptr, k, live_k, scale, NORM: tl.constexpr,
                       SILU: tl.constexpr, dt: tl.constexpr):
-        """`_gemv_stream_kernel`'s K chunk k: the row's x (with NORM its squares summed into `squares` and x times
-        the norm's weight, rounded once to dt) times the weight tile w (and w_up: the up rows), added into the
-        float32 tiles acc (and acc_up)."""
-        x = tl.load(row_ptr + k, mask=live_k, other=0.0).to(tl.float32)
+        """`_gemv_stream_kernel`'s K chunk k: the row's h (normed with NORM, rounded to dt) times the weight tile w
+        (and w_up: the up rows), added into the float32 tiles acc (and acc_up)."""
+        h = tl.load(row_ptr + k, mask=live_k, other=0.0).to(tl.float32)
         if NORM:
-            squares += x * x
-            x = x * tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32)
-        h = _round(x, dt)
+            h = _scaled(h, scale, tl.load(norm_ptr + k, mask=live_k, other=0.0).to(tl.float32), dt)
         acc += w.to(tl.float32) * h[None, :]
         if SILU:
             acc_up += w_up.to(tl.float32) * h[None, :]
-        return acc, acc_up, squares
+        return acc, acc_up
 
     @triton.jit(do_not_specialize=["M", "rows"])
     def _gemv_stream_kernel(a_ptr, norm_ptr, w_ptr, out_ptr, M, N, eps, rows, K: tl.constexpr, NORM: tl.constexpr,
                             SILU: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            GDC: tl.constexpr):
+                            KP: tl.constexpr, GDC: tl.constexpr):
         """`_gemv_kernel`'s job for a large K: one program per (BLOCK_N outputs, `rows` rows), each row in turn
         streaming the weight tile in BLOCK_K chunks (unrolled) into a [BLOCK_N, BLOCK_K] float32 tile of
         products, summed once at the end (tl.sum). The first chunk's weights are loaded once,
         before the rows: with GDC (a programmatic dependent launch) before waiting for the kernel before this
         one, whose outputs are this one's rows, so a chain of products streams weights across its kernels'
-        boundaries. With NORM, RMSNorm in the same pass as `_gemv_block_kernel`'s (x times the norm's weight, the
-        squares summed beside the products, the sums scaled by 1 / rms), so no row is read before the weights. Every
-        row runs the same code whatever M, so a row's bits do not depend on M or on the rows beside it."""
+        boundaries. The row's RMSNorm scale (NORM) is `_row_scale`'s over the whole row (KP: K's power of two);
+        the roundings are `_gemv_kernel`'s. Every row runs the same code whatever M, so a row's bits do not
+        depend on M or on the rows beside it."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         live_n = n < N
         dt = out_ptr.dtype.element_ty
@@ -422,24 +419,21 @@ if triton is not None:
         last = tl.minimum(m + rows, M)
         while m < last:  # a while loop: a runtime range() bound breaks the interpreter (see kernels/verify.py)
             row = a_ptr + m * K
+            scale = 1.0
+            if NORM:
+                scale = _row_scale(a_ptr, m, K, eps, KP)
             if ADD:
                 residual = tl.load(out_ptr + m * N + n, mask=live_n, other=0.0).to(tl.float32)
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-            acc, acc_up, squares = _stream_chunk(acc, acc_up, squares, w0, w0_up, row, norm_ptr, k0, k0 < K, NORM,
-                                                 SILU, dt)
+            acc, acc_up = _stream_chunk(acc, acc_up, w0, w0_up, row, norm_ptr, k0, k0 < K, scale, NORM, SILU, dt)
             for c in tl.static_range(BLOCK_K, K, BLOCK_K):
                 k = c + k0
                 w, w_up = _weights(w_ptr, n, k, live_n, N, K, SILU)
-                acc, acc_up, squares = _stream_chunk(acc, acc_up, squares, w, w_up, row, norm_ptr, k, k < K, NORM,
-                                                     SILU, dt)
-            y, y_up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
-            if NORM:  # the row's 1 / rms, applied to the float32 sums
-                scale = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
-                y, y_up = y * scale, y_up * scale
+                acc, acc_up = _stream_chunk(acc, acc_up, w, w_up, row, norm_ptr, k, k < K, scale, NORM, SILU, dt)
+            y = tl.sum(acc, axis=1)
             if SILU:
-                y = _silu_mul(_round(y, dt), _round(y_up, dt), dt)
+                y = _silu_mul(_round(y, dt), _round(tl.sum(acc_up, axis=1), dt), dt)
             if ADD:
                 y += residual
             tl.store(out_ptr + m * N + n, _round(y, dt).to(dt), mask=live_n)
@@ -770,7 +764,8 @@ def _gemv(a, norm_weight, eps: float, weight, out, tiles: GemvTiles | None, silu
                  **_launch(a.device, tiles.pdl))
     if tiles.kind == "stream":
         _gemv_stream_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.rows))](
-            a, norm, weight, out, M, n_out, eps, tiles.rows, K=K, BLOCK_K=tiles.block_k, **flags)
+            a, norm, weight, out, M, n_out, eps, tiles.rows, K=K, BLOCK_K=tiles.block_k, KP=triton.next_power_of_2(K),
+            **flags)
     elif tiles.kind != "loop":
         wide = tl.float32 if INTERPRETED else _TL[out.dtype]  # the interpreter's tl.dot: float32 (exact for bf16)
         _gemv_block_kernel[(triton.cdiv(n_out, tiles.block_n), triton.cdiv(M, tiles.block_rows))](
