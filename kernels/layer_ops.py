@@ -343,8 +343,9 @@ if triton is not None:
         order). With NORM, RMSNorm in the same pass: h is x times the norm's weight and each row's squares are
         summed beside the product, whose float32 sums are scaled by the row's 1 / rms at the end (no first pass over
         the rows before the weights: the "folded" ops' order, the norm's weight on x's side). h is rounded to out's
-        dtype before the product, g and u rounded before silu, x added before the one rounding. Rows past M are zeros and never stored; ROWS_BLOCK is fixed and M is not
-        specialised on, so a row's bits do not depend on M or on the rows beside it. The first chunk's weights are
+        dtype before the product, g and u rounded before silu, x added before the one rounding. Rows past M are zeros
+        and never stored; ROWS_BLOCK is fixed and M is not specialised on, so a row's bits do not depend on M or on
+        the rows beside it. The first chunk's weights are
         loaded before `_wait_for_inputs` (the stream kernel's prefetch under a programmatic dependent launch).
         TILE_N >= BLOCK_N: the tile's width (tl.dot's 16 at least), its lanes past BLOCK_N masked (never read or
         stored), so a product of few outputs a program still runs on the tensor cores."""
