@@ -14,8 +14,9 @@ of a layer of `--shape` (and the LM head) alone at M = 1, 8 and 17 rows (`--prod
 "triton" loop's ops for the same job (RMSNorm kernel + cuBLAS, + silu_mul), and the fused GEMV kernel under its
 default tiles and a few others of each of `--kinds` (the block variants: 8 rows a program at once in registers, or 16
 on the tensor cores; the stream: K in chunks, for a large K), each a CUDA graph of 100 calls (`--cold`: over copies
-of the weight that overflow the L2 cache, as a step reads them), median replay / 100, with the weight's bytes a second, each fused row's largest difference from
-the "triton" ops and whether its M rows equal the rows alone bit for bit. The weight floor divides by the device's
+of the weight that overflow the L2 cache, as a step reads them), median replay / 100, with the weight's bytes a
+second, each fused row's largest difference from the "triton" ops and whether its M rows equal the rows alone bit
+for bit. The weight floor divides by the device's
 stated bandwidth (`HBM_BYTES_PER_S`).
 Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
 Numbers, not assertions. CUDA only.
