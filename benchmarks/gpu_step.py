@@ -16,8 +16,7 @@ default tiles and a few others of each of `--kinds` (the block variants: 8 rows 
 on the tensor cores; the stream: K in chunks, for a large K), each a CUDA graph of 100 calls (`--cold`: over copies
 of the weight that overflow the L2 cache, as a step reads them), median replay / 100, with the weight's bytes a
 second, each fused row's largest difference from the "triton" ops and whether its M rows equal the rows alone bit
-for bit. The weight floor divides by the device's
-stated bandwidth (`HBM_BYTES_PER_S`).
+for bit. The weight floor divides by the device's stated bandwidth (`HBM_BYTES_PER_S`).
 Writes JSON under benchmarks/results/ after every row (a failure keeps what was measured) and prints tables.
 Numbers, not assertions. CUDA only.
 """
@@ -96,11 +95,9 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 200) -> float:
     return median(times[10:])
 
 
-def per_call_us(fns, calls: int = 100) -> float:
+def per_call_us(fns: list, calls: int = 100) -> float:
     """Median us of one call, from a CUDA graph of `calls` calls taking the callables `fns` in turn (one: always
     the same inputs; several, each over its own copy of the weights: as cold as a step's, see `copies_for`)."""
-    fns = fns if isinstance(fns, list) else [fns]
-
     def many():
         for i in range(calls):
             fns[i % len(fns)]()
