@@ -345,8 +345,8 @@ if triton is not None:
         the rows before the weights: the "folded" ops' order, the norm's weight on x's side). h is rounded to out's
         dtype before the product, g and u rounded before silu, x added before the one rounding. Rows past M are zeros
         and never stored; ROWS_BLOCK is fixed and M is not specialised on, so a row's bits do not depend on M or on
-        the rows beside it. The first chunk's weights are
-        loaded before `_wait_for_inputs` (the stream kernel's prefetch under a programmatic dependent launch).
+        the rows beside it. The first chunk's weights are loaded before `_wait_for_inputs` (the stream kernel's
+        prefetch under a programmatic dependent launch).
         TILE_N >= BLOCK_N: the tile's width (tl.dot's 16 at least), its lanes past BLOCK_N masked (never read or
         stored), so a product of few outputs a program still runs on the tensor cores."""
         j = tl.arange(0, TILE_N)
@@ -504,8 +504,7 @@ _TL = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.
 CHUNK = 64  # keys a program of the attention takes
 ROWS = 4  # rows a GEMV program takes in turn (more rows go to more programs, which read the same weight tiles)
 KINDS = ("loop", "block", "dot", "stream")  # the GEMV variants (GemvTiles.kind)
-BLOCK_ROWS = {"block": 8, "dot": 16}  # rows a program of the block variants takes at once (never M's;
-#                                                  tl.dot: >= 16)
+BLOCK_ROWS = {"block": 8, "dot": 16}  # rows a program of the block variants takes at once (never M's; tl.dot: >= 16)
 BLOCK_K = 64  # the K chunk of the block variants (576 = 9 chunks: no padding for the embedded model)
 STREAM_K = 1024  # the stream variant's K chunk (at most K's power of two)
 DOT_K = int(os.environ.get("FLASHSPEC_DOT_K", "256"))  # the dot variant's K chunk by default (at most K's power of two)
