@@ -466,16 +466,21 @@ def table(rows, env) -> str:
 
 def summary(rows) -> list[str]:
     """Per config over the prompts: the geometric mean of its speedups over own plain, its lowest, and how many rows
-    gave plain decoding's ids."""
+    gave plain decoding's ids; where llama.cpp ran, the same over llama.cpp's tok/s on each prompt."""
+    geomean = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
+    llama = {r["prompt"]: r["tok_per_s"] for r in rows if r["config"] == "llama.cpp:plain"}
     lines = []
     for config in dict.fromkeys(r["config"] for r in rows):
         sel = [r for r in rows if r["config"] == config]
-        mean = math.exp(sum(math.log(r["speedup"]) for r in sel) / len(sel))
         same = sum(bool(r["same_as_plain"]) for r in sel)
         ratios = [r["round_max_over_median"] for r in sel if r.get("round_max_over_median") is not None]
         worst = f", longest round {max(ratios):.2f}x its arm's median" if ratios else ""
-        lines.append(f"{config}: {mean:.2f}x own plain (geometric mean over {len(sel)} prompts), lowest "
-                     f"{min(r['speedup'] for r in sel):.2f}x, plain's ids on {same} of {len(sel)}{worst}")
+        peer = [r["tok_per_s"] / llama[r["prompt"]] for r in sel if r["prompt"] in llama]
+        peer = f"; {geomean(peer):.2f}x llama.cpp plain, lowest {min(peer):.2f}x" if llama and config != "llama.cpp:plain" \
+            and len(peer) == len(sel) else ""
+        lines.append(f"{config}: {geomean([r['speedup'] for r in sel]):.2f}x own plain (geometric mean over {len(sel)} "
+                     f"prompts), lowest {min(r['speedup'] for r in sel):.2f}x, plain's ids on {same} of {len(sel)}{worst}"
+                     f"{peer}")
     return lines
 
 

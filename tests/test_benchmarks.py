@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from benchmarks.run import GcPauses, long_note, round_times
+from benchmarks.run import GcPauses, long_note, round_times, summary
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,3 +91,15 @@ def test_the_oracle_copies_the_longest_run_found_so_far_and_a_drafter_no_more():
     assert oracle_tokens_per_forward(context, answer, 2) == 2.5  # 1 2 +3 | 4 +9 | 1 2 +3 | 4 9 +end
     assert oracle_tokens_per_forward([7], answer, 8) == 10 / 6  # five rounds of one token, then the repeat in one
     assert 1.0 <= drafter_tokens_per_forward(PromptLookup(), context, answer, 8) <= 5.0
+
+
+def test_the_summary_gives_each_config_over_llama_cpp_where_it_ran():
+    row = lambda prompt, config, tok_per_s, speedup: dict(prompt=prompt, config=config, tok_per_s=tok_per_s,  # noqa: E731
+                                                            speedup=speedup, same_as_plain=config != "llama.cpp:plain")
+    rows = [row("a", "plain", 200.0, 1.0), row("a", "bandit", 300.0, 1.5), row("a", "llama.cpp:plain", 100.0, 0.5),
+            row("b", "plain", 100.0, 1.0), row("b", "bandit", 80.0, 0.8), row("b", "llama.cpp:plain", 50.0, 0.5)]
+    lines = dict(line.split(": ", 1) for line in summary(rows))
+    assert lines["plain"].endswith("; 2.00x llama.cpp plain, lowest 2.00x")
+    assert lines["bandit"].startswith("1.10x own plain") and lines["bandit"].endswith("; 2.19x llama.cpp plain, lowest 1.60x")
+    assert "llama.cpp plain," not in lines["llama.cpp:plain"]  # not over itself
+    assert "llama.cpp" not in summary(rows[:2])[0]  # no peer, no such column
