@@ -65,8 +65,8 @@ def environment() -> dict:
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                                 text=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                  ":!benchmarks/results"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
         commit, changed = "unknown", ""
     commit = os.environ.get("FLASHSPEC_COMMIT", commit)  # a copied tree whose git metadata lags names its code so
@@ -77,7 +77,7 @@ def environment() -> dict:
         pass
     return {"machine": cpu, "threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit,
-            "tracked_files_changed": bool(changed),  # the code that ran is not exactly the commit's
+            "tracked_files_changed": bool(changed),  # the code is not the commit's (results aside)
             "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "load_average": list(os.getloadavg()), "layer_ops": os.environ.get("FLASHSPEC_LAYER_OPS", "auto"),
             "gemv": os.environ.get("FLASHSPEC_GEMV", "loop")}
@@ -475,12 +475,12 @@ def summary(rows) -> list[str]:
         same = sum(bool(r["same_as_plain"]) for r in sel)
         ratios = [r["round_max_over_median"] for r in sel if r.get("round_max_over_median") is not None]
         worst = f", longest round {max(ratios):.2f}x its arm's median" if ratios else ""
-        peer = [r["tok_per_s"] / llama[r["prompt"]] for r in sel if r["prompt"] in llama]
-        peer = f"; {geomean(peer):.2f}x llama.cpp plain, lowest {min(peer):.2f}x" if llama and config != "llama.cpp:plain" \
-            and len(peer) == len(sel) else ""
-        lines.append(f"{config}: {geomean([r['speedup'] for r in sel]):.2f}x own plain (geometric mean over {len(sel)} "
-                     f"prompts), lowest {min(r['speedup'] for r in sel):.2f}x, plain's ids on {same} of {len(sel)}{worst}"
-                     f"{peer}")
+        over = [r["tok_per_s"] / llama[r["prompt"]] for r in sel if r["prompt"] in llama]
+        peer = f"; {geomean(over):.2f}x llama.cpp plain, lowest {min(over):.2f}x" \
+            if config != "llama.cpp:plain" and over and len(over) == len(sel) else ""
+        lines.append(f"{config}: {geomean([r['speedup'] for r in sel]):.2f}x own plain (geometric mean over "
+                     f"{len(sel)} prompts), lowest {min(r['speedup'] for r in sel):.2f}x, plain's ids on {same} of "
+                     f"{len(sel)}{worst}{peer}")
     return lines
 
 
