@@ -465,8 +465,9 @@ def table(rows, env) -> str:
 
 
 def summary(rows) -> list[str]:
-    """Per config over the prompts: the geometric mean of its speedups over own plain, its lowest, and how many rows
-    gave plain decoding's ids; where llama.cpp ran, the same over llama.cpp's tok/s on each prompt."""
+    """Per config over the prompts: the geometric mean of its speedups over own plain, its lowest (three decimals: a
+    0.966x must not read as a 0.97x floor), and how many rows gave plain decoding's ids; where llama.cpp ran, the same
+    over llama.cpp's tok/s on each prompt."""
     geomean = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
     llama = {r["prompt"]: r["tok_per_s"] for r in rows if r["config"] == "llama.cpp:plain"}
     lines = []
@@ -479,7 +480,7 @@ def summary(rows) -> list[str]:
         peer = f"; {geomean(over):.2f}x llama.cpp plain, lowest {min(over):.2f}x" \
             if config != "llama.cpp:plain" and over and len(over) == len(sel) else ""
         lines.append(f"{config}: {geomean([r['speedup'] for r in sel]):.2f}x own plain (geometric mean over "
-                     f"{len(sel)} prompts), lowest {min(r['speedup'] for r in sel):.2f}x, plain's ids on {same} of "
+                     f"{len(sel)} prompts), lowest {min(r['speedup'] for r in sel):.3f}x, plain's ids on {same} of "
                      f"{len(sel)}{worst}{peer}")
     return lines
 
