@@ -19,7 +19,6 @@ import gc
 import hashlib
 import io
 import json
-import math
 import os
 import platform
 import pstats
@@ -28,7 +27,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from statistics import median
+from statistics import geometric_mean, median
 
 import torch
 
@@ -468,7 +467,6 @@ def summary(rows) -> list[str]:
     """Per config over the prompts: the geometric mean of its speedups over own plain, its lowest (three decimals: a
     0.966x must not read as a 0.97x floor), and how many rows gave plain decoding's ids; where llama.cpp ran, the same
     over llama.cpp's tok/s on each prompt."""
-    geomean = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs))  # noqa: E731
     llama = {r["prompt"]: r["tok_per_s"] for r in rows if r["config"] == "llama.cpp:plain"}
     lines = []
     for config in dict.fromkeys(r["config"] for r in rows):
@@ -477,9 +475,9 @@ def summary(rows) -> list[str]:
         ratios = [r["round_max_over_median"] for r in sel if r.get("round_max_over_median") is not None]
         worst = f", longest round {max(ratios):.2f}x its arm's median" if ratios else ""
         over = [r["tok_per_s"] / llama[r["prompt"]] for r in sel if r["prompt"] in llama]
-        peer = f"; {geomean(over):.2f}x llama.cpp plain, lowest {min(over):.2f}x" \
+        peer = f"; {geometric_mean(over):.2f}x llama.cpp plain, lowest {min(over):.2f}x" \
             if config != "llama.cpp:plain" and over and len(over) == len(sel) else ""
-        lines.append(f"{config}: {geomean([r['speedup'] for r in sel]):.2f}x own plain (geometric mean over "
+        lines.append(f"{config}: {geometric_mean([r['speedup'] for r in sel]):.2f}x own plain (geometric mean over "
                      f"{len(sel)} prompts), lowest {min(r['speedup'] for r in sel):.3f}x, plain's ids on {same} of "
                      f"{len(sel)}{worst}{peer}")
     return lines
