@@ -525,12 +525,11 @@ class GemvTiles:
 
     kind: str = "loop"
     block_n: int | None = None  # outputs a program computes (None: loop 16, 8 or 4, the largest giving every SM one;
-    #                             block 4; dot 32, or 64 for 8192+ outputs; stream 8 where that gives every SM two,
-    #                             else 4)
+    #                             block 4; dot 32, or 64 for 8192+ outputs; stream `stream_tile`'s)
     rows: int = ROWS  # rows a program takes in turn (the loop's and the stream's)
     warps: int | None = None  # warps a program runs (None: 4, or 8 for loop tiles of over 4096 values)
     block_rows: int | None = None  # the block variants' rows at once (None: BLOCK_ROWS[kind])
-    block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K; dot: DOT_K; stream: STREAM_K)
+    block_k: int | None = None  # the block variants' K chunk (None: BLOCK_K; dot: DOT_K; stream: `stream_tile`'s)
     pdl: bool | None = None  # the kernel as a programmatic dependent launch (None: `pdl_on`'s)
     stages: int | None = None  # the block variants' K loop: unrolled (1), or pipelined that many chunks deep (None:
     #                            1; dot: DOT_STAGES)
@@ -557,9 +556,9 @@ class GemvTiles:
         """These tiles with the defaults filled in for n_out outputs over K inputs (paired: two weight rows each)."""
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         if self.kind == "stream":
-            block_n = self.block_n or (8 if triton.cdiv(n_out, 8) >= 2 * sms else 4)
-            return replace(self, block_n=block_n, warps=self.warps or 4, pdl=self._pdl(device),
-                           block_k=min(self.block_k or STREAM_K, triton.next_power_of_2(K)))
+            block_n, block_k = stream_tile(n_out, K)
+            return replace(self, block_n=self.block_n or block_n, warps=self.warps or 4, pdl=self._pdl(device),
+                           block_k=min(self.block_k or block_k, triton.next_power_of_2(K)))
         if self.kind != "loop":
             block_k = self.block_k or (DOT_K if self.kind == "dot" else BLOCK_K)
             dot_n = DOT_N or (64 if n_out >= 8192 else 32)  # the fastest alone on an H200 (an LM head; a layer's)
@@ -574,6 +573,17 @@ class GemvTiles:
 
     def _pdl(self, device: torch.device) -> bool:
         return pdl_on(device) if self.pdl is None else self.pdl and hopper(device)
+
+
+def stream_tile(n_out: int, K: int) -> tuple[int, int]:
+    """The stream kernel's default (outputs a program, K chunk) for n_out outputs over K inputs: an LM head (16384+
+    outputs) 16 x 256, a large K (4096+) 8 x STREAM_K, else 4 x STREAM_K. The fastest one-row products read from memory
+    on an H100 (`benchmarks.gpu_step --products --cold`, PDL): the 135M's gate/up 3.15 us at 4 against 3.46 at 8 and
+    LM head 22.5 against 27.6 at 8 x 1024; the 1.1B's q/k/v 4.91 / 5.44, gate/up 17.8 / 18.8, down (K = 5632) 8.36 at 8
+    against 13.5 at 4, LM head 45.3 against 53.8."""
+    if n_out >= 16384:
+        return 16, 256
+    return (8 if K >= 4096 else 4), STREAM_K
 
 
 def hopper(device: torch.device) -> bool:

@@ -519,6 +519,17 @@ def test_the_gemv_tiles_refuse_what_their_kernels_cannot_take():
         layer_ops.GemvTiles(kind="stream", block_rows=8)
 
 
+def test_the_stream_tiles_follow_the_product_shape_unless_asked():
+    """An LM head streams 16 outputs a program in chunks of 256, a long K (a 1.1B model's down) 8 in chunks of 1024, the
+    rest 4; a chunk never longer than K's power of two; tiles asked for are kept."""
+    def tile(n_out, K, **asked):
+        t = layer_ops.GemvTiles(kind="stream", **asked).resolved(n_out, K, False, torch.device("cpu"))
+        return t.block_n, t.block_k
+
+    assert tile(49152, 576) == (16, 256) and tile(2048, 5632) == (8, 1024) and tile(3072, 576) == (4, 1024)
+    assert tile(960, 200) == (4, 256) and tile(49152, 576, block_n=8, block_k=512) == (8, 512)
+
+
 def test_programmatic_dependent_launches_stay_off_where_the_device_has_none(monkeypatch):
     """FLASHSPEC_PDL asks for them; a CPU (or the interpreter) never gets them, and a GEMV's tiles say so."""
     monkeypatch.setattr(layer_ops, "PDL", True)
