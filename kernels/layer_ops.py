@@ -554,7 +554,6 @@ class GemvTiles:
 
     def resolved(self, n_out: int, K: int, paired: bool, device: torch.device) -> "GemvTiles":
         """These tiles with the defaults filled in for n_out outputs over K inputs (paired: two weight rows each)."""
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         if self.kind == "stream":
             block_n, block_k = stream_tile(n_out, K)
             return replace(self, block_n=self.block_n or block_n, warps=self.warps or 4, pdl=self._pdl(device),
@@ -567,6 +566,7 @@ class GemvTiles:
                            block_k=min(block_k, triton.next_power_of_2(K)),
                            stages=self.stages or (DOT_STAGES if self.kind == "dot" else 1))
         # the interpreter runs its programs one after another: as if on one SM, the fewest programs
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         block_n = self.block_n or next((b for b in (16, 8) if triton.cdiv(n_out, b) >= sms), 4)
         values = block_n * triton.next_power_of_2(K) * (2 if paired else 1)
         return replace(self, block_n=block_n, warps=self.warps or (4 if values <= 4096 else 8), pdl=self._pdl(device))
