@@ -451,7 +451,7 @@ def table(rows, env) -> str:
              "tokens/target forward | draft ms/token | start ms | round ms median / max after the 1st | "
              "host ms/round | same ids as plain |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    llama = {r["prompt"]: r["tok_per_s"] for r in rows if r["config"] == "llama.cpp:plain"}
+    llama = peer_speeds(rows)
     for r in rows:
         peer = fmt(r["tok_per_s"] / llama[r["prompt"]], ".2f") + "x" if r["prompt"] in llama else "-"
         lines.append(f"| {r['prompt']} | {r['config']} | {r['tokens']} | {r['tok_per_s']:.1f} | {r['speedup']:.2f}x | {peer} | "
@@ -463,11 +463,16 @@ def table(rows, env) -> str:
     return "\n".join(lines + [""] + summary(rows))
 
 
+def peer_speeds(rows) -> dict[str, float]:
+    """llama.cpp's tok/s by prompt (empty where it did not run)."""
+    return {r["prompt"]: r["tok_per_s"] for r in rows if r["config"] == "llama.cpp:plain"}
+
+
 def summary(rows) -> list[str]:
     """Per config over the prompts: the geometric mean of its speedups over own plain, its lowest (three decimals: a
     0.966x must not read as a 0.97x floor), and how many rows gave plain decoding's ids; where llama.cpp ran, the same
     over llama.cpp's tok/s on each prompt."""
-    llama = {r["prompt"]: r["tok_per_s"] for r in rows if r["config"] == "llama.cpp:plain"}
+    llama = peer_speeds(rows)
     lines = []
     for config in dict.fromkeys(r["config"] for r in rows):
         sel = [r for r in rows if r["config"] == config]
@@ -476,7 +481,7 @@ def summary(rows) -> list[str]:
         worst = f", longest round {max(ratios):.2f}x its arm's median" if ratios else ""
         over = [r["tok_per_s"] / llama[r["prompt"]] for r in sel if r["prompt"] in llama]
         peer = f"; {geometric_mean(over):.2f}x llama.cpp plain, lowest {min(over):.2f}x" \
-            if config != "llama.cpp:plain" and over and len(over) == len(sel) else ""
+            if config != "llama.cpp:plain" and len(over) == len(sel) else ""
         lines.append(f"{config}: {geometric_mean([r['speedup'] for r in sel]):.2f}x own plain (geometric mean over "
                      f"{len(sel)} prompts), lowest {min(r['speedup'] for r in sel):.3f}x, plain's ids on {same} of "
                      f"{len(sel)}{worst}{peer}")
