@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 
 from flashspec_core.stream import DraftedTree, Played, RoundEvent, StreamState, TokenSpan
 
@@ -15,6 +16,7 @@ class EventBuilder:
 
     def __init__(self, tokenizer, eos_ids: set[int]):
         self.tokenizer, self.eos_ids = tokenizer, eos_ids
+        self.decode = text_decoder(tokenizer)
 
     def finish(self, emitted: list[int], produced: int, max_new_tokens: int) -> tuple[str | None, list[int]]:
         """("eos" | "length" | None, the emitted ids that count): cut after an end-of-turn id or at the length."""
@@ -62,13 +64,13 @@ class EventBuilder:
         """Each node's decoded piece after the context tail and its ancestors ("" without a tokenizer)."""
         if self.tokenizer is None:
             return [""] * len(tree.tokens)
-        root = self.tokenizer.decode(tail)
+        root = self.decode(tail)
         prefixes, decoded, out = [], [], []  # per node: its ids from the tail on, and their text
         for t, parent in zip(tree.tokens, tree.parents):
             base, prev = (tail, root) if parent < 0 else (prefixes[parent], decoded[parent])
             prefixes.append(base + [t])
-            decoded.append(self.tokenizer.decode(prefixes[-1]))
-            out.append(decoded[-1][len(prev):] if decoded[-1].startswith(prev) else self.tokenizer.decode([t]))
+            decoded.append(self.decode(prefixes[-1]))
+            out.append(decoded[-1][len(prev):] if decoded[-1].startswith(prev) else self.decode([t]))
         return out
 
     def pieces(self, before: list[int], accepted: list[int], rejected: list[int], final: list[int]) -> list[str]:
@@ -81,7 +83,7 @@ class EventBuilder:
         def text(ids):
             key = tuple(ids)
             if key not in decoded:
-                decoded[key] = self.tokenizer.decode(ids)
+                decoded[key] = self.decode(ids)
             return decoded[key]
 
         def run(prefix, new):
@@ -89,13 +91,29 @@ class EventBuilder:
             for t in new:
                 prefix = prefix + [t]
                 cur = text(prefix)
-                out.append(cur[len(prev):] if cur.startswith(prev) else self.tokenizer.decode([t]))
+                out.append(cur[len(prev):] if cur.startswith(prev) else self.decode([t]))
                 prev = cur
             return out
 
         tail = before[-4:]  # a little context so that leading spaces decode as they will in the text
         base = tail + accepted
         return run(tail, accepted) + run(base, rejected) + run(base, final)
+
+
+def text_decoder(tokenizer):
+    """`tokenizer.decode` (special tokens kept) as a function of a list of ids: where that call's text is its
+    `tokenizers` backend's own (transformers cleans up no spaces: the flag is off, or the model is BPE, where
+    transformers ignores it), the backend's decode, which skips transformers' per-call Python (each round decodes a
+    few prefixes for its pieces, right after a target forward has flushed the caches: ~20 us a call there)."""
+    if tokenizer is None:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    force = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    cleans = getattr(tokenizer, "clean_up_tokenization_spaces", True) and \
+        (force or type(getattr(backend, "model", None)).__name__ != "BPE")
+    if backend is None or cleans or not hasattr(backend, "decode"):
+        return tokenizer.decode
+    return partial(backend.decode, skip_special_tokens=False)
 
 
 def summarize(events: list[RoundEvent]) -> dict:

@@ -1,7 +1,7 @@
 """A round's display pieces: each token's text decoded after the accepted prefix it follows, each prefix once."""
 import random
 
-from flashspec_core.events import EventBuilder
+from flashspec_core.events import EventBuilder, text_decoder
 
 TEXT = "Café au lait, s'il vous plaît! 🚀 Ünïcödé\n  def f(x):\n\treturn x ** 2  # 二乘\n\n- item one\n- item two"
 
@@ -49,3 +49,21 @@ def test_pieces_read_as_before_with_each_prefix_decoded_once(embedded_engine):
     counting = CountingTokenizer(tok)
     EventBuilder(counting, set()).pieces(ids[:9], [], [], ids[9:10])
     assert counting.calls == 2
+
+
+def test_the_text_decoder_reads_as_the_tokenizer_does(embedded_engine):
+    """The events' decoder goes straight to the embedded tokenizer's backend (a BPE model, so transformers adds no
+    clean-up) and gives `tokenizer.decode`'s text: slices of a text with multi-byte characters cut anywhere, random
+    ids over the whole vocabulary, the chat template's special tokens; a tokenizer without a backend keeps its own."""
+    tok = embedded_engine.tokenizer
+    decode = text_decoder(tok)
+    assert decode != tok.decode  # the backend's, not the fallback
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    rng = random.Random(1)
+    cases = [ids[i:j] for i, j in (sorted(rng.sample(range(len(ids) + 1), 2)) for _ in range(200))]
+    cases += [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 8))] for _ in range(300)]
+    cases += [embedded_engine.encode("Hi there"), []]
+    for case in cases:
+        assert decode(case) == tok.decode(case), case
+    counting = CountingTokenizer(tok)
+    assert text_decoder(counting) == counting.decode and text_decoder(None) is None
