@@ -149,9 +149,15 @@ class NoDraft(Drafter):
     """K = 0: the round is one plain decoding step, so the bandit can always fall back to plain decoding."""
 
     name = "no_draft"
+    _none: torch.Tensor | None = None  # the empty [B, 0] proposal, made once (a plain round's only tensor work here)
 
     def propose_ids(self, row, k):
         return []
+
+    def propose(self, rows, k):
+        if self._none is None or self._none.shape[0] != len(rows):
+            self._none = torch.empty((len(rows), 0), dtype=torch.int64, device=self.device)
+        return Proposal(self._none, None)
 
 
 SEP = -1  # a document boundary in a SuffixIndex's stream: no match crosses it and no copy runs past it
@@ -180,14 +186,18 @@ class SuffixIndex:
             i = len(stream)
             stream.append(t)
             grown, self.before = [], self.active
+            known = True  # the suffixes grow shortest first: once one is new, every longer one is new too
             for node in (0, *self.active[:self.depth - 1]):  # each suffix, the empty one included, grows by t
-                child = kids[node].get(t)
+                child = kids[node].get(t) if known else None
                 if child is None:
+                    known = False
                     child = kids[node][t] = len(kids)
                     kids.append({})
-                    last.append(-1)
+                    last.append(i)
                     prev.append(-1)
-                prev[child], last[child] = last[child], i
+                else:
+                    prev[child] = last[child]
+                    last[child] = i
                 grown.append(child)
             self.active = grown
 
