@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +30,7 @@ from flashspec_core.fast_path import MAX_GRAPH_TOKENS
 from flashspec_core.sampling import SamplingConfig, draft_sampling, logits_to_probs_at, sampling_params
 from flashspec_core.tree import TensorTree
 from kernels import verify, verify_tree
+from kernels.verify import argmax
 from kernels.tree_level import copy_graft_triton
 
 
@@ -366,6 +368,29 @@ def pack(proposal: Proposal, p: torch.Tensor, result, guesses: list[torch.Tensor
     parts = [torch.cat([result.num_accepted[:, None].float(), result.tokens.float()], dim=1),  # [B, K+2]
              torch.cat([p_draft, p_last])[None], q_draft[None], drafted.float()[None], guess[None]]
     return torch.cat([F.pad(x, (0, W - x.shape[1])) for x in parts], dim=0)
+
+
+def pack_greedy(proposal: Proposal, logits: torch.Tensor, guesses: list[torch.Tensor]) -> torch.Tensor:
+    """A greedy eager round's host record on the CPU with its accept test left to the host (`HostCopy.read_greedy`:
+    the longest prefix of drafts equal to the target's argmax, `verify_torch`'s greedy branch), one float32 tensor
+    [B + 3, W] built through NumPy views of the CPU tensors (a torch operation costs a few microseconds there, more
+    with the caches cold after a forward: `verify` and `pack` took ~0.3 ms a round).
+
+    Rows 0..B-1: [the target's argmax at each of the K + 1 slots, the drafted ids (K)]. Row B: row 0's p (softmax of
+    its logits) at each drafted id (K), then at each slot's argmax (K + 1). Row B+1: q of each drafted id (1 for a
+    deterministic drafter). Row B+2: the guesses' row 0."""
+    B, K = proposal.tokens.shape
+    best = argmax(logits).numpy()  # [B, K+1]
+    drafted = proposal.tokens.numpy()
+    probs = logits[0].softmax(dim=-1).float().numpy()  # [K+1, V] row 0's, for the values shown
+    slots = np.arange(K + 1)
+    p0 = np.concatenate([probs[slots[:K], drafted[0]], probs[slots, best[0]]])
+    q0 = np.ones(K) if proposal.q is None else proposal.q[0].float().numpy()[slots[:K], drafted[0]]
+    guess = torch.stack([g[0] for g in guesses]).numpy() if guesses else np.zeros(0)
+    out = np.zeros((B + 3, max(2 * K + 1, guess.size)), dtype=np.float32)
+    out[:B, :K + 1], out[:B, K + 1:2 * K + 1] = best, drafted
+    out[B, :2 * K + 1], out[B + 1, :K], out[B + 2, :guess.size] = p0, q0, guess
+    return torch.from_numpy(out)
 
 
 def pack_tree(result, p: torch.Tensor, drafted: torch.Tensor, guesses: list[torch.Tensor], tree) -> torch.Tensor:

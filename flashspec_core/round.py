@@ -48,12 +48,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flashspec_core.captured import PIECE, CapturedRound, PromptPiece, Shape, law, pack, piece_sizes
+from flashspec_core.captured import PIECE, CapturedRound, PromptPiece, Shape, law, pack, pack_greedy, piece_sizes
 from flashspec_core.drafters import DraftHeadDrafter, DraftModel, Drafter, NoDraft
 from flashspec_core.gamma import MAX_AUTO_GAMMA, CostModel, DraftCost
 from flashspec_core.sampling import SamplingConfig, logits_to_probs
 from flashspec_core.stream import RoundOutput
-from kernels import verify
+from kernels import resolve_backend, verify
 
 
 @dataclass
@@ -68,6 +68,7 @@ class Launched:
     tree: "TreeSize | None" = None  # a tree round of this shape (K: its nodes), `tree_round.launch_tree`
     stored: bool = False  # a captured round that left its verified slots in the head's backlog (`Shape.defer`)
     head_current: bool = True  # no slots waited for the head's first pass when it launched
+    greedy_on_host: bool = False  # an eager greedy round on the CPU: `land` runs its accept test (`greedy_on_host`)
 
     @property
     def most(self) -> int:
@@ -84,6 +85,21 @@ class HostCopy:
     q: list[float]  # row 0: K values
     draft: list[int]  # row 0: K ids
     guesses: dict[str, int]
+
+    @classmethod
+    def read_greedy(cls, packed: torch.Tensor, K: int, guessers: list[str]) -> "HostCopy":
+        """`captured.pack_greedy`'s record, with the greedy accept test on the host: each row keeps its drafts while
+        they equal the target's argmax, then emits the argmax where they stopped."""
+        *rows, p, q, guess = packed.tolist()  # the round's one device->host copy
+        num_accepted, tokens = [], []
+        for r in rows:
+            best, drafted = [int(t) for t in r[:K + 1]], [int(t) for t in r[K + 1:2 * K + 1]]
+            n = next((i for i in range(K) if drafted[i] != best[i]), K)
+            num_accepted.append(n)
+            tokens.append(drafted[:n] + [best[n]] + [-1] * (K - n))
+        return cls(num_accepted=num_accepted, tokens=tokens, p=p[:K] + [p[K + num_accepted[0]]], q=q[:K],
+                   draft=[int(t) for t in rows[0][K + 1:2 * K + 1]],
+                   guesses={name: int(g) for name, g in zip(guessers, guess)})
 
     @classmethod
     def read(cls, packed: torch.Tensor, K: int, guessers: list[str]) -> "HostCopy":
@@ -224,6 +240,13 @@ class DeviceRound:
         self.backlog = {}
 
     # -- the round -----------------------------------------------------------------------------------
+    def greedy_on_host(self, sampling: SamplingConfig) -> bool:
+        """Whether an eager round's greedy accept test runs on the host after the round's one copy (on the CPU, with
+        the torch backend: the same test as `verify_torch`'s greedy branch, in a third of the tensor operations, each
+        a few microseconds there) rather than in `verify` before it. The triton backend keeps its kernel."""
+        return sampling.greedy and self.device.type == "cpu" and \
+            resolve_backend(self.kernel_backend, self.device) == "torch"
+
     def on_device(self, drafter: Drafter) -> bool:
         """Whether a round of `drafter` can be launched before the round before it lands: captured rounds whose
         draft needs no host rows (the head drafts inside the graph; no draft), unless the head must first take a
@@ -264,6 +287,9 @@ class DeviceRound:
         K = proposal.tokens.shape[1]
         timer.drafted()
         logits = self.target.forward(torch.cat([self.pending, proposal.tokens], dim=1), logits_to_keep=K + 1)  # [B, K+1, V]
+        if self.greedy_on_host(sampling):  # the accept test and the pending token wait for `land`'s one copy
+            timer.launched()
+            return Launched(K, pack_greedy(proposal, logits, guesses), guessers, timer, greedy_on_host=True)
         p = logits if sampling.greedy else logits_to_probs(logits, sampling)  # verify (greedy compares argmaxes)
         result = verify(proposal.tokens, proposal.q, p, generator=generator, greedy=sampling.greedy,
                         backend=self.kernel_backend)  # accept test
@@ -285,7 +311,11 @@ class DeviceRound:
             from flashspec_core.tree_round import land_tree
 
             return land_tree(self, rows, launched, first)
-        host = HostCopy.read(launched.packed, launched.K, launched.guessers)
+        if launched.greedy_on_host:
+            host = HostCopy.read_greedy(launched.packed, launched.K, launched.guessers)
+            self.pending = torch.tensor([[t[min(host.num_accepted)]] for t in host.tokens], device=self.device)
+        else:
+            host = HostCopy.read(launched.packed, launched.K, launched.guessers)
         L, m = len(rows[0]), min(host.num_accepted)
         for row, toks in zip(rows, host.tokens):  # accept
             row.extend(toks[:m + 1])

@@ -291,3 +291,28 @@ def test_a_sampled_chain_reads_a_flat_draws_chance_of_acceptance_above_its_proba
     assert drafter._ends(index, None, logits, [])  # greedy: 0.05, it does not
     drafter.step_s = 0.01
     assert drafter._ends(index, q, logits, [])  # a step costing more than a forward: no chance pays for it
+
+
+@pytest.mark.parametrize("B,K", [(1, 0), (1, 1), (1, 4), (3, 3)])
+def test_the_greedy_accept_test_on_the_host_reads_as_verify_and_pack(B, K):
+    """`pack_greedy` + `HostCopy.read_greedy` (a greedy round on the CPU) against `kernels.verify` + `pack` +
+    `HostCopy.read` on logits with ties and with drafts that match the argmax for a random length: the same accepted
+    counts, tokens, drafted ids, p and q values and guesses; a drafter's q is read at its drafted ids."""
+    from flashspec_core.captured import pack, pack_greedy
+    from flashspec_core.drafters import Proposal
+    from flashspec_core.round import HostCopy
+    from kernels import verify
+
+    gen = torch.Generator().manual_seed(B * 10 + K)
+    for trial in range(40):
+        logits = torch.randn(B, K + 1, V, generator=gen).round(decimals=0)  # ties in the argmax
+        best = logits.argmax(-1)
+        drafted = torch.randint(0, V, (B, K), generator=gen)
+        keep = torch.randint(0, K + 1, (B, 1), generator=gen)
+        drafted = torch.where(torch.arange(K) < keep, best[:, :K], drafted)
+        q = None if trial % 2 else torch.rand(B, K, V, generator=gen).softmax(-1)
+        proposal, guesses = Proposal(drafted, q), [torch.randint(0, V, (B,), generator=gen)]
+        result = verify(drafted, q, logits, greedy=True, backend="torch")
+        old = HostCopy.read(pack(proposal, logits.softmax(-1), result, guesses), K, ["draft_head"])
+        new = HostCopy.read_greedy(pack_greedy(proposal, logits, guesses), K, ["draft_head"])
+        assert new == old, (trial, old, new)
