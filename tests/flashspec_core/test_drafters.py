@@ -206,6 +206,25 @@ def test_counterfactual_draft_at_the_pre_round_context_does_not_see_the_round():
     assert d.propose_ids(rows[0], 4) == copier().propose_ids(rows[0], 4)
 
 
+def test_a_copy_offer_is_worked_out_once_per_context_and_k():
+    """The bandit's check before a round and the counterfactual score after it read one offer: once the round's
+    scores moved the odds, the pre-round context's offer is still the one made before it; a memo recalled from a copy
+    (the engine's calibration streams) makes its offers again, with the odds of then."""
+    cpu = CostModel()  # one step plus 6% a token
+    cpu.observe(1, 1.0)
+    d = copier(costs=cpu)
+    row = [7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # a 10-token match
+    d.start([list(row)], SamplingConfig(), None)
+    first = d.offer(row, 16)
+    assert len(first[0]) >= 12 and first[1] > 0 and d.copy_rate(row, 16) == first[1]
+    for _ in range(40):
+        d.odds.observe(match_bucket(10, False), False)  # copies kept failing since
+    assert d.offer(row, 16) == first and d.propose_ids(row, 16) == first[0]
+    d.recall(d.memory())
+    again = d.offer(row, 16)
+    assert len(again[0]) < len(first[0]) and again[1] < first[1], (first, again)
+
+
 def test_rows_that_differ_get_their_own_drafts_and_share_k():
     d = copier()
     rows = [[1, 2, 3, 1, 2], [1, 2, 3, 1, 2], [4, 5, 6, 7, 4]]
