@@ -15,6 +15,9 @@ Shaped for capture (the eager path here is the specification: a captured round m
 - One device-to-host copy a round. `captured.pack` puts the accepted counts, the emitted ids, row 0's drafted ids, p and
   q values and the hidden-state readers' first-pass guesses into one float32 tensor; `HostCopy.read` reads it
   with one `.tolist()`. Nothing else in `run` reads the device (tests/flashspec_core/test_round.py counts).
+  A greedy eager round on the CPU (the torch backend) packs the argmax instead (`captured.pack_greedy`) and runs
+  the accept test on the host after that copy (`HostCopy.read_greedy`, the reference's greedy test): on a CPU
+  each tensor operation costs microseconds, and the pending token is then made on the host.
 - The pending token (the last emitted id, which the next verify feeds first) stays on the device: `launch`
   gathers it from the accept test's output at the shortest accepted count, itself a device tensor. The host's
   rows reach the device only through `start` and the model-free drafters' proposals.
