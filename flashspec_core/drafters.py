@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from flashspec_core.draft_head import DraftHead, HeadCache
-from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length, length_rates, worth_another
+from flashspec_core.gamma import MAX_GAMMA, CostModel, best_length, length_choice, worth_another
 from flashspec_core.models import CausalLM
 from flashspec_core.sampling import SamplingConfig, draft_sampling, logits_to_probs, logits_to_probs_at, sample
 from flashspec_core.tree import DraftTree, TensorTree
@@ -360,12 +360,8 @@ class CopyDrafter(Drafter):
         kept = self._offers.get((pos, k)) if pos is not None else None
         if kept is not None and kept[0] is self._memo.get(pos):  # made from this memo entry (not one recalled)
             return kept[1]
-        survival = self._survival(found)
-        if self.costs.plain_step() <= 0:  # no costs measured: `best_length`'s default, no rate
-            made = (found.tokens[:best_length(survival, self.costs)], 0.0)
-        else:
-            rates = length_rates(survival, self.costs)
-            made = (found.tokens[:rates.index(max(rates))], max(rates[1:], default=0.0))
+        n, rate = length_choice(self._survival(found), self.costs)
+        made = (found.tokens[:n], rate)
         if pos is not None:
             self._offers = {key: v for key, v in self._offers.items() if key[0] in self._memo}
             self._offers[(pos, k)] = (self._memo[pos], made)

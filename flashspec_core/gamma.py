@@ -166,10 +166,16 @@ class Calibration:
 def best_length(survival: list[float], costs: CostModel, draft_step_s: float = 0.0) -> int:
     """The K in 0..len(survival) that maximises expected tokens per second, where survival[j - 1] is the chance that
     the first j drafted tokens are all accepted (K = 0: a plain step). best_gamma is the case survival[j - 1] = a^j."""
+    return length_choice(survival, costs, draft_step_s)[0]
+
+
+def length_choice(survival: list[float], costs: CostModel, draft_step_s: float = 0.0) -> tuple[int, float]:
+    """(`best_length`'s K, the most expected tokens per second of a round drafting at least one of the tokens: 0
+    without any, or before the costs are measured, when K is at most 4)."""
     if costs.plain_step() <= 0:
-        return min(4, len(survival))
+        return min(4, len(survival)), 0.0
     rates = length_rates(survival, costs, draft_step_s)
-    return rates.index(max(rates))
+    return rates.index(max(rates)), max(rates[1:], default=0.0)
 
 
 def length_rates(survival: list[float], costs: CostModel, draft_step_s: float = 0.0) -> list[float]:

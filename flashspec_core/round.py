@@ -94,15 +94,15 @@ class HostCopy:
         """`captured.pack_greedy`'s record, with the greedy accept test on the host: each row keeps its drafts while
         they equal the target's argmax, then emits the argmax where they stopped."""
         *rows, p, q, guess = packed.tolist()  # the round's one device->host copy
-        num_accepted, tokens = [], []
+        num_accepted, tokens, drafts = [], [], []
         for r in rows:
             best, drafted = [int(t) for t in r[:K + 1]], [int(t) for t in r[K + 1:2 * K + 1]]
             n = next((i for i in range(K) if drafted[i] != best[i]), K)
             num_accepted.append(n)
             tokens.append(drafted[:n] + [best[n]] + [-1] * (K - n))
+            drafts.append(drafted)
         return cls(num_accepted=num_accepted, tokens=tokens, p=p[:K] + [p[K + num_accepted[0]]], q=q[:K],
-                   draft=[int(t) for t in rows[0][K + 1:2 * K + 1]],
-                   guesses={name: int(g) for name, g in zip(guessers, guess)})
+                   draft=drafts[0], guesses={name: int(g) for name, g in zip(guessers, guess)})
 
     @classmethod
     def read(cls, packed: torch.Tensor, K: int, guessers: list[str]) -> "HostCopy":
