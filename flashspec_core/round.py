@@ -314,12 +314,11 @@ class DeviceRound:
             from flashspec_core.tree_round import land_tree
 
             return land_tree(self, rows, launched, first)
-        if launched.greedy_on_host:
-            host = HostCopy.read_greedy(launched.packed, launched.K, launched.guessers)
-            self.pending = torch.tensor([[t[min(host.num_accepted)]] for t in host.tokens], device=self.device)
-        else:
-            host = HostCopy.read(launched.packed, launched.K, launched.guessers)
+        read = HostCopy.read_greedy if launched.greedy_on_host else HostCopy.read
+        host = read(launched.packed, launched.K, launched.guessers)
         L, m = len(rows[0]), min(host.num_accepted)
+        if launched.greedy_on_host:  # the pending token: each row's emitted id at the shortest accepted count
+            self.pending = torch.tensor([[t[m]] for t in host.tokens], device=self.device)
         for row, toks in zip(rows, host.tokens):  # accept
             row.extend(toks[:m + 1])
         if launched.stored:  # its m + 1 slots wait for the head
