@@ -96,6 +96,7 @@ class Engine:
         self.round = DeviceRound(target, self.drafters, kernel_backend, captured)  # draft, verify, accept, roll back
         self.policy = HostPolicy(self.drafters)  # arm and K choices, rewards, the machine's measured costs
         self.events = EventBuilder(tokenizer, self.eos_ids)  # stop checks, events, text pieces
+        self.rechosen = 0  # rounds whose arm was chosen again once the round before them landed (`_play`)
         self.launch_ahead = True  # captured rounds: launch the next on-device round before this one lands (`_play`)
 
     # ------------------------------------------------------------------------------------------------
@@ -353,6 +354,10 @@ class Engine:
         out = self.round.land(s.rows, turn.launched, first=self.drafters[ahead.arm])
         emitted = s.rows[0][len(before):]
         if not self.events.finish(emitted, s.produced, s.max_new_tokens)[0]:
+            if ahead.launched is None and not self.policy.still_sure(s, ahead.arm):
+                self.round.settle()  # a copy arm chosen on the rows before this round, and unsure of these: choose
+                ahead = Turn(self.policy.choose(s))  # again once every drafter has learnt the round
+                self.rechosen += 1
             self._launch(s, ahead, uncounted=len(emitted))
         self.round.settle()
         return Played(turn.arm, turn.limit, before, emitted, out), ahead

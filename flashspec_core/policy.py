@@ -71,6 +71,15 @@ class HostPolicy:
         best = max(rates, key=rates.get)
         return best if rates[best] and rates[best] > SURE_COPY * self.rival_rate(s) else None  # no copy, no rival
 
+    def still_sure(self, s: StreamState, arm: str) -> bool:
+        """Whether a copy arm chosen one round late (on the rows before the round in flight, `Engine._play`) is sure
+        (`sure_copy`) at the rows that round left, by its own offer (it has learnt that round; the others have not)."""
+        d = self.drafters[arm]
+        if not isinstance(d, CopyDrafter) or not self.calibrated:
+            return False
+        rate = d.copy_rate(s.rows[0], self.gamma(s, arm, s.max_gamma))
+        return rate > 0 and rate > SURE_COPY * self.rival_rate(s)
+
     def rival_rate(self, s: StreamState) -> float:
         """Tokens per second the stream's best arm that does not copy can be expected to make: at its best K by its
         acceptance and the measured costs, or as its recent rounds made (a tree's rounds beat its acceptance's

@@ -164,13 +164,50 @@ def test_copy_drafters_that_do_not_draft_next_learn_a_round_once_the_next_is_lau
     monkeypatch.setattr(CopyDrafter, "_off_path", lambda self, *a: pytest.fail("drafted off its path"))
     engine.calibrate()
     seen.clear()
+    rechosen = engine.rechosen
     result = engine.generate(PROMPT * 3, 60, drafters=["prompt_lookup", "ngram_cache"], seed=1)
+    rechosen = engine.rechosen - rechosen
     assert result.token_ids == engine.generate(PROMPT * 3, 60, mode="plain").token_ids
     # The bandit may pick "no draft" (its rewards weigh this machine's measured costs): that round launches before
-    # the landing, so both copy drafters then learn with one round in flight.
+    # the landing, so both copy drafters then learn with one round in flight. A copy arm no longer sure at the
+    # landed rows is chosen again once both have learnt the round (`Engine._play`): then none is in flight.
     copy_next = sum(e.drafter in ("prompt_lookup", "ngram_cache") for e in result.events[1:])
-    assert copy_next >= 10
-    assert seen.count(1) >= len(result.events) - 1 and seen.count(0) >= copy_next - 1
+    assert copy_next >= 10 and rechosen < copy_next
+    assert seen.count(1) >= len(result.events) - 1 - rechosen and seen.count(0) >= copy_next - 1
+
+
+def test_a_copy_arm_chosen_before_the_last_round_landed_is_sure_of_the_rows_it_copies_or_chosen_again(tiny):
+    """With the next round chosen while the last is in flight (`Engine.launch_ahead`), a copy arm drafts from rows
+    that round had not yet added: it plays only where it is still sure of the landed rows (`HostPolicy.still_sure`),
+    else the arm is chosen again on them. Every copy round was confirmed at its own context; plain's tokens."""
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
+                                captured="eager")
+    confirmed, choose, still_sure = set(), engine.policy.choose, engine.policy.still_sure
+
+    def chose(s):
+        arm = choose(s)
+        confirmed.add((len(s.rows[0]), arm))
+        return arm
+
+    def sure(s, arm):
+        kept = still_sure(s, arm)
+        if kept:
+            confirmed.add((len(s.rows[0]), arm))
+        return kept
+
+    engine.policy.choose, engine.policy.still_sure = chose, sure
+    prompt = engine.encode(PROMPT * 3)
+    with fixed_costs(engine, 1.0, 0.01, (0.0, 0.06), 0.001):  # an H100's shape: a wide verify costs little
+        result = engine.generate(PROMPT * 3, 60, seed=1)
+    assert result.token_ids == engine.generate(PROMPT * 3, 60, mode="plain").token_ids
+    context, copies = len(prompt), 0
+    for e in result.events:
+        if e.drafter in ("prompt_lookup", "ngram_cache"):
+            copies += 1
+            assert (context, e.drafter) in confirmed, e.index
+        context += len(e.emitted)
+    assert copies >= 3 and engine.round.launched_ahead > 0
 
 
 def test_a_round_that_needs_the_hosts_rows_waits_for_the_round_in_flight(tiny):
