@@ -35,6 +35,8 @@ RUNS = {  # benchmark module -> (its command line, {out} the results folder; a f
     "app_overhead": (["--reps", "1", "--max-new-tokens", "8"], "app_overhead.json"),
     "warm_restart": (["--minutes", "0.05", "--max-new-tokens", "8", "--steps", "2", "--eval", "1", "--recipes",
                       "3e-4/60/0", "1e-4/1/1", "--heldout-batches", "1"], "warm_restart_cpu.json"),
+    "policy_costs": (["--costs", "benchmarks/results/engine_embedded_cuda_ex_h100_s66.json", "--every", "8",
+                      "--launch-ahead", "on", "--tag", "smoke"], "policy_costs_smoke.json"),
     "kernels": (["--cpu-smoke", "--sweep", "--out", "{out}/kernels_smoke.json"], "kernels_smoke.json"),
 }
 
