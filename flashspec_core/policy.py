@@ -69,7 +69,7 @@ class HostPolicy:
             return None
         rates = {a: self.drafters[a].copy_rate(s.rows[0], self.gamma(s, a, s.max_gamma)) for a in tested}
         best = max(rates, key=rates.get)
-        return best if rates[best] and rates[best] > SURE_COPY * self.rival_rate(s) else None  # no copy, no rival
+        return best if self._beats_rival(s, rates[best]) else None
 
     def still_sure(self, s: StreamState, arm: str) -> bool:
         """Whether a copy arm chosen one round late (on the rows before the round in flight, `Engine._play`) is sure
@@ -77,7 +77,10 @@ class HostPolicy:
         d = self.drafters[arm]
         if not isinstance(d, CopyDrafter) or not self.calibrated:
             return False
-        rate = d.copy_rate(s.rows[0], self.gamma(s, arm, s.max_gamma))
+        return self._beats_rival(s, d.copy_rate(s.rows[0], self.gamma(s, arm, s.max_gamma)))
+
+    def _beats_rival(self, s: StreamState, rate: float) -> bool:
+        """Whether a copy's rate is sure: at least SURE_COPY times the rival's (no copy: no rival to weigh)."""
         return rate > 0 and rate > SURE_COPY * self.rival_rate(s)
 
     def rival_rate(self, s: StreamState) -> float:
