@@ -81,9 +81,9 @@ def main(argv=None) -> int:
     print(table(rows))
     out = RESULTS / f"policy_costs{'_' + args.tag if args.tag else ''}.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python -m benchmarks.policy_costs " + " ".join(sys.argv[1:] if argv is None else argv),
-                               "costs_from": str(args.costs), "calibration": calibration, "env": environment(),
-                               "rows": rows}, indent=1))
+    command = "python -m benchmarks.policy_costs " + " ".join(sys.argv[1:] if argv is None else argv)
+    out.write_text(json.dumps({"command": command, "costs_from": str(args.costs), "calibration": calibration,
+                               "env": environment(), "rows": rows}, indent=1))
     print(f"wrote {shown_path(out)}")
     return 0
 
