@@ -630,7 +630,9 @@ class StaticCausalLM:
         index = src[None, None, :, None, :, None].expand(L, 2, self.batch, self.n_kv, n, self.head_dim)
         # [layers, 2, B, n_kv, capacity, D]: every layer in one gather (a new tensor first, so no overlap)
         self.kv.index_copy_(4, start + self.slots[:n], self.kv.gather(4, index))
-        self.widened = min(self.widened, self.length)  # the host's count at the round's start (the CPU's paths)
+        if self.kv.device.type == "cpu":  # the ordered attention's widened keys (`native_loop`) are stale from start:
+            self.widened = min(self.widened, int(start))  # the round's own, not the host's count (a round launched
+            # ahead runs while the host still counts the round before it at the most it may append)
 
     def _fit_batch(self, B: int) -> None:
         """Reallocate for B rows when the batch changes, which an empty cache allows."""
