@@ -2,14 +2,16 @@
 "auto") replayed on this CPU with the costs a GPU run measured, to see what it plays there without the GPU.
 
     python -m benchmarks.policy_costs --costs benchmarks/results/engine_embedded_cuda_ex_h100_s66.json
-        [--prompt-set examples] [--every 1] [--launch-ahead both|on|off] [--keep-late-choices] [--tag T]
+        [--prompt-set examples] [--every 1] [--launch-ahead both|on|off] [--keep-late-choices] [--tree auto]
+        [--tag T]
 
 The embedded model runs captured rounds eagerly (`captured="eager"`, the code a GPU's graphs replay, launching
 the next round before the last lands as a GPU does), its costs replaced by the JSON's `env.calibration` (the
 target's forward by tokens fed, each drafter's drafting), and the head drafts whole chains as on a GPU (on the
 CPU it ends them by its own step's price). Greedy, so every row is plain decoding's tokens; what the policy
 decides shows as tokens per target forward and the arms' rounds, per prompt, for the bandit and the head alone
-(the CPU's 4-bit target may answer a prompt with other tokens than the GPU's). `--keep-late-choices`: a copy arm
+(the CPU's 4-bit target may answer a prompt with other tokens than the GPU's). `--tree` as `benchmarks.run`'s: the
+head's trees, on the captured round's tree path (`tree auto` is the app's default on a GPU). `--keep-late-choices`: a copy arm
 chosen while the last round was in flight always plays (as before `HostPolicy.still_sure`), for comparison. Writes
 benchmarks/results/policy_costs[_TAG].json and prints a table. Numbers, not assertions.
 """
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 from statistics import geometric_mean
 
-from benchmarks.run import RESULTS, environment, load_prompt_set, shown_path
+from benchmarks.run import RESULTS, environment, load_prompt_set, parse_tree, shown_path
 from flashspec_core import Engine
 from flashspec_core.gamma import CostModel, DraftCost
 
@@ -39,12 +41,12 @@ def load_costs(engine: Engine, path: Path) -> dict:
     return calibration
 
 
-def run_row(engine: Engine, prompt: dict, drafters, launch_ahead: bool) -> dict:
+def run_row(engine: Engine, prompt: dict, drafters, launch_ahead: bool, tree=None) -> dict:
     """One cold stream: tokens per forward, the arms' rounds and tokens, and the rounds chosen again on landing."""
     engine.launch_ahead = launch_ahead
     engine.reset_session()
     rechosen = engine.rechosen
-    events = engine.generate(prompt["prompt"], prompt.get("max_new_tokens", 96), drafters=drafters).events
+    events = engine.generate(prompt["prompt"], prompt.get("max_new_tokens", 96), drafters=drafters, tree=tree).events
     arms = {}
     for e in events:
         arm = arms.setdefault(e.drafter, {"rounds": 0, "tokens": 0})
@@ -64,10 +66,12 @@ def main(argv=None) -> int:
     ap.add_argument("--launch-ahead", default="both", choices=["both", "on", "off"])
     ap.add_argument("--keep-late-choices", action="store_true",
                     help="never choose a copy arm again on the landed rows (the engine before `still_sure`)")
+    ap.add_argument("--tree", default=None, help="the head's trees: DEPTH,TOP_K,SIZE or auto, optionally ,copyN")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
+    tree = parse_tree(args.tree)
     engine = Engine.from_preset("embedded", captured="eager")
-    engine.warm_up(512)
+    engine.warm_up(512, trees=[tree] if tree else ())
     calibration = load_costs(engine, args.costs)
     engine.drafters["draft_head"].sets_length = False  # whole chains, as on a GPU
     if args.keep_late_choices:
@@ -76,8 +80,8 @@ def main(argv=None) -> int:
     rows = []
     for prompt in load_prompt_set(args.prompt_set)[::args.every]:
         for ahead in aheads:
-            rows.append(run_row(engine, prompt, None, ahead))
-        rows.append(run_row(engine, prompt, ["draft_head"], aheads[0]))
+            rows.append(run_row(engine, prompt, None, ahead, tree))
+        rows.append(run_row(engine, prompt, ["draft_head"], aheads[0], tree))
     print(table(rows))
     out = RESULTS / f"policy_costs{'_' + args.tag if args.tag else ''}.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
