@@ -11,9 +11,9 @@ target's forward by tokens fed, each drafter's drafting), and the head drafts wh
 CPU it ends them by its own step's price). Greedy, so every row is plain decoding's tokens; what the policy
 decides shows as tokens per target forward and the arms' rounds, per prompt, for the bandit and the head alone
 (the CPU's 4-bit target may answer a prompt with other tokens than the GPU's). `--tree` as `benchmarks.run`'s: the
-head's trees, on the captured round's tree path (`tree auto` is the app's default on a GPU). `--keep-late-choices`: a copy arm
-chosen while the last round was in flight always plays (as before `HostPolicy.still_sure`), for comparison. Writes
-benchmarks/results/policy_costs[_TAG].json and prints a table. Numbers, not assertions.
+head's trees, on the captured round's tree path (`tree auto` is the app's default on a GPU). `--keep-late-choices`:
+a copy arm chosen while the last round was in flight always plays (as before `HostPolicy.still_sure`), for
+comparison. Writes benchmarks/results/policy_costs[_TAG].json and prints a table. Numbers, not assertions.
 """
 from __future__ import annotations
 
