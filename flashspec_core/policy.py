@@ -67,17 +67,20 @@ class HostPolicy:
                   self.drafters[a].odds.expected >= SCORED_COPIES]
         if not self.calibrated or not tested:
             return None
-        rates = {a: self.drafters[a].copy_rate(s.rows[0], self.gamma(s, a, s.max_gamma)) for a in tested}
+        rates = {a: self._copy_rate(s, a) for a in tested}
         best = max(rates, key=rates.get)
         return best if self._beats_rival(s, rates[best]) else None
 
     def still_sure(self, s: StreamState, arm: str) -> bool:
         """Whether a copy arm chosen one round late (on the rows before the round in flight, `Engine._play`) is sure
         (`sure_copy`) at the rows that round left, by its own offer (it has learnt that round; the others have not)."""
-        d = self.drafters[arm]
-        if not isinstance(d, CopyDrafter) or not self.calibrated:
+        if not isinstance(self.drafters[arm], CopyDrafter) or not self.calibrated:
             return False
-        return self._beats_rival(s, d.copy_rate(s.rows[0], self.gamma(s, arm, s.max_gamma)))
+        return self._beats_rival(s, self._copy_rate(s, arm))
+
+    def _copy_rate(self, s: StreamState, arm: str) -> float:
+        """A copy arm's expected tokens per second at the stream's rows, at most the K gamma gives it."""
+        return self.drafters[arm].copy_rate(s.rows[0], self.gamma(s, arm, s.max_gamma))
 
     def _beats_rival(self, s: StreamState, rate: float) -> bool:
         """Whether a copy's rate is sure: at least SURE_COPY times the rival's (no copy: no rival to weigh)."""
