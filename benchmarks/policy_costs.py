@@ -46,16 +46,13 @@ def run_row(engine: Engine, prompt: dict, drafters, launch_ahead: bool, tree=Non
     engine.launch_ahead = launch_ahead
     engine.reset_session()
     rechosen = engine.rechosen
-    events = engine.generate(prompt["prompt"], prompt.get("max_new_tokens", 96), drafters=drafters, tree=tree).events
-    arms = {}
-    for e in events:
-        arm = arms.setdefault(e.drafter, {"rounds": 0, "tokens": 0})
-        arm["rounds"] += 1
-        arm["tokens"] += len(e.emitted)
-    tokens = sum(len(e.emitted) for e in events)
+    result = engine.generate(prompt["prompt"], prompt.get("max_new_tokens", 96), drafters=drafters, tree=tree)
+    stats = result.stats
+    arms = {arm: {"rounds": n, "tokens": sum(len(e.emitted) for e in result.events if e.drafter == arm)}
+            for arm, n in stats["pulls"].items()}
     return {"prompt": prompt["kind"], "config": "bandit" if drafters is None else "+".join(drafters),
-            "launch_ahead": launch_ahead, "tokens": tokens, "rounds": len(events),
-            "tokens_per_forward": tokens / len(events), "arms": arms, "rechosen": engine.rechosen - rechosen}
+            "launch_ahead": launch_ahead, "tokens": stats["new_tokens"], "rounds": stats["rounds"],
+            "tokens_per_forward": stats["tokens_per_forward"], "arms": arms, "rechosen": engine.rechosen - rechosen}
 
 
 def main(argv=None) -> int:
