@@ -45,9 +45,10 @@ class Bandit:
         self.draws = {a: 0.0 for a in arms}  # last Thompson sample
 
     # -- the two calls the engine makes ------------------------------------------------------------
-    def select(self) -> str:
+    def select(self, among: list[str] | None = None) -> str:
+        """The arm to pull next (of `among` only, where given)."""
         scores = self._scores(sample=True)
-        return max(self.arms, key=lambda a: (scores[a], -self.arms.index(a)))
+        return max(among or self.arms, key=lambda a: (scores[a], -self.arms.index(a)))
 
     def update(self, arm: str, reward: float, pulled: bool = True) -> None:
         if arm not in self.count:

@@ -355,12 +355,20 @@ class Engine:
         emitted = s.rows[0][len(before):]
         if not self.events.finish(emitted, s.produced, s.max_new_tokens)[0]:
             if ahead.launched is None and not self.policy.still_sure(s, ahead.arm):
-                self.round.settle()  # a copy arm chosen on the rows before this round, and unsure of these: choose
-                ahead = Turn(self.policy.choose(s))  # again once every drafter has learnt the round
+                ahead = Turn(self._choose_again(s))  # a copy arm chosen on the rows before this round, unsure of these
                 self.rechosen += 1
             self._launch(s, ahead, uncounted=len(emitted))
         self.round.settle()
         return Played(turn.arm, turn.limit, before, emitted, out), ahead
+
+    def _choose_again(self, s: StreamState) -> str:
+        """The arm of a round whose copy arm, chosen one round late, is unsure of the landed rows: the bandit's among
+        the arms that do not copy, at once; where all arms copy, chosen anew once every drafter has learnt the round."""
+        arm = self.policy.choose_uncopied(s)
+        if arm is None:
+            self.round.settle()
+            arm = self.policy.choose(s)
+        return arm
 
     def _launch(self, s: StreamState, turn: "Turn", uncounted: int = 0, in_flight: int = 0) -> "Turn":
         """Launch `turn` (if it is not yet) with K cut to fit the stream (`_limit`). A round launched ahead of one in

@@ -72,11 +72,19 @@ class HostPolicy:
         return best if self._beats_rival(s, rates[best]) else None
 
     def still_sure(self, s: StreamState, arm: str) -> bool:
-        """Whether a copy arm chosen one round late (on the rows before the round in flight, `Engine._play`) is sure
-        (`sure_copy`) at the rows that round left, by its own offer (it has learnt that round; the others have not)."""
+        """Whether an arm chosen one round late (on the rows before the round in flight, `Engine._play`) plays on the
+        rows that round left: a copy arm if it is sure there (`sure_copy`) by its own offer (it has learnt that
+        round; the others have not); an arm that does not copy, or any arm without measured costs to weigh, plays."""
         if not isinstance(self.drafters[arm], CopyDrafter) or not self.calibrated:
-            return False
+            return True
         return self._beats_rival(s, self._copy_rate(s, arm))
+
+    def choose_uncopied(self, s: StreamState) -> str | None:
+        """The bandit's choice among the arms that do not copy (None: no such arm), for a round whose late copy
+        choice was unsure at the landed rows (`still_sure`): none of them reads what the copy drafters learn from
+        the landed round, so it launches before they learn it (`Engine._play`)."""
+        uncopied = [a for a in s.arms if not isinstance(self.drafters[a], CopyDrafter)]
+        return s.bandit.select(uncopied) if s.bandit and uncopied else None
 
     def _copy_rate(self, s: StreamState, arm: str) -> float:
         """A copy arm's expected tokens per second at the stream's rows, at most the K gamma gives it."""

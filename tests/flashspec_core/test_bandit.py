@@ -55,6 +55,15 @@ def test_counterfactual_updates_do_not_count_as_pulls():
     assert state["a"].pulls == 0 and state["a"].observations == 1 and state["a"].mean == pytest.approx(0.7)
 
 
+@pytest.mark.parametrize("strategy", ["ucb1", "thompson", "window"])
+def test_a_choice_among_some_arms_picks_the_best_of_them(strategy):
+    bandit = Bandit(["a", "b", "c"], strategy, seed=2)
+    for _ in range(300):
+        for arm, reward in (("a", 0.9), ("b", 0.2), ("c", 0.5)):
+            bandit.update(arm, reward)
+    assert bandit.select() == "a" and bandit.select(["b", "c"]) == "c" and bandit.select(["b"]) == "b"
+
+
 def test_speed_reward_is_monotone_and_bounded():
     values = [speed_reward(r, 10.0) for r in (0.0, 5.0, 10.0, 20.0, 1e9)]
     assert values == sorted(values) and values[2] == pytest.approx(0.5) and 0 <= values[0] and values[-1] <= 1

@@ -210,6 +210,42 @@ def test_a_copy_arm_chosen_before_the_last_round_landed_is_sure_of_the_rows_it_c
     assert copies >= 3 and engine.round.launched_ahead > 0
 
 
+def test_a_late_copy_choice_unsure_of_the_landed_rows_gives_way_to_an_arm_that_does_not_copy(tiny, monkeypatch):
+    """Where a copy arm chosen one round late is no longer sure at the landed rows, the round's arm is the bandit's
+    among the arms that do not copy, launched before the other copy drafter learns the landed round. Greedy, plain
+    decoding's tokens."""
+    from flashspec_core.drafters import CopyDrafter
+
+    target, head = tiny
+    engine = Engine.from_models(target, [head, "prompt_lookup", "ngram_cache"], kernel_backend="torch",
+                                captured="eager")
+    unsure, still_sure = set(), engine.policy.still_sure
+    in_flight, observe = {}, CopyDrafter.observe
+
+    def sure(s, arm):
+        kept = still_sure(s, arm)
+        if not kept:
+            unsure.add(len(s.rows[0]))
+        return kept
+
+    monkeypatch.setattr(engine.policy, "still_sure", sure)
+    monkeypatch.setattr(CopyDrafter, "observe", lambda self, rows, *a, **k: in_flight.setdefault(
+        len(rows[0]), []).append(len(engine.round.unlanded)) or observe(self, rows, *a, **k))
+    with fixed_costs(engine, 1.0, 0.01, (0.0, 0.06), 0.001):
+        result = engine.generate(PROMPT * 3, 60, seed=1)
+    learnt = {n: list(calls) for n, calls in in_flight.items()}  # before the plain stream's own
+    assert result.token_ids == engine.generate(PROMPT * 3, 60, mode="plain").token_ids
+    context, after = len(engine.encode(PROMPT * 3)), []
+    for e in result.events:
+        if context in unsure:
+            after.append(e.drafter)
+            # the copy arm chosen late learnt the landed round first (its check reads it), the other one with this
+            # round in flight
+            assert learnt[context] == [0, 1], e.index
+        context += len(e.emitted)
+    assert after and not {"prompt_lookup", "ngram_cache"} & set(after)
+
+
 def test_a_round_that_needs_the_hosts_rows_waits_for_the_round_in_flight(tiny):
     target, head = tiny
     engine = Engine.from_models(target, [head, "prompt_lookup"], kernel_backend="torch", captured="eager")
