@@ -71,10 +71,14 @@ class TrainConfig:
     eval_every_s: float = 45.0
     profile_steps: int = 0  # if > 0: after 10 warm steps, log where `profile_steps` training steps spend their time
     eval_sequences: int = 192
+    weight_average: float = 0.0  # decay a step of an exponential moving average of the weights (0: none), evaluated
+    # beside them; the run ends on the average where its held-out loss is lower (`WeightAverage`)
 
     def __post_init__(self):
         if self.ttt_steps < 1 or self.draft_vocab < 1 or self.batch_tokens < self.max_len:
             raise ValueError(f"need ttt_steps >= 1, draft_vocab >= 1 and batch_tokens >= max_len, got {self}")
+        if not 0.0 <= self.weight_average < 1.0:
+            raise ValueError(f"weight_average must be in [0, 1), got {self.weight_average}")
         try:
             temperatures = self.temperatures()
         except ValueError:
@@ -407,10 +411,39 @@ def has_moments(opt: torch.optim.Optimizer) -> bool:
     return bool(opt.state)
 
 
+class WeightAverage:
+    """An exponential moving average of the head's weights over the training steps (Polyak averaging, torch's
+    `AveragedModel`), for cfg.weight_average > 0: each evaluation reads it too (the point's "average"), and the last
+    puts it in the head where its held-out loss is the lower."""
+
+    def __init__(self, head: DraftHead, decay: float):
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        self.head = head
+        self.model = AveragedModel(head, multi_avg_fn=get_ema_multi_avg_fn(decay))
+
+    def update(self) -> None:
+        self.model.update_parameters(self.head)
+
+    def evaluate(self, cfg: TrainConfig, device, model, corpus) -> dict:
+        return evaluate_in(cfg, device, self.model.module, model, corpus)
+
+    def keep_if_better(self, point: dict) -> bool:
+        """Put the average in the head where its held-out loss (point["average"]) is below the weights' own."""
+        better = point["average"]["loss"] < point["loss"]
+        if better:
+            with torch.no_grad():
+                for p, a in zip(self.head.parameters(), self.model.module.parameters()):
+                    p.copy_(a)
+        point["kept_average"] = better
+        return better
+
+
 def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, opt, log=print, curve=None,
           on_eval=None) -> list[dict]:
     """Train with `opt` (`optimizer`) until cfg.train_minutes pass; evaluate every cfg.eval_every_s (then call
-    on_eval(curve), e.g. to save a checkpoint); returns the curve (appended to)."""
+    on_eval(curve), e.g. to save a checkpoint); returns the curve (appended to). With cfg.weight_average, the
+    weights' moving average is evaluated beside them and the run ends on it where it is better (`WeightAverage`)."""
     curve = [] if curve is None else curve
     rng = random.Random(cfg.seed + len(curve))
     params = [p for group in opt.param_groups for p in group["params"]]
@@ -419,6 +452,7 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, opt, log=pri
     tokens = curve[-1]["tokens_seen"] if curve else 0
     base_step = curve[-1]["step"] if curve else 0
     next_eval, losses, profile = 0.0, [], StepProfile(cfg.profile_steps, log)
+    average = WeightAverage(head, cfg.weight_average) if cfg.weight_average else None
     compile_loss(cfg.compile_loss and torch.device(device).type == "cuda")
     while time.monotonic() - t0 < budget:
         for idx in batches(corpus, corpus.split(heldout=False), cfg, rng):
@@ -427,6 +461,10 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, opt, log=pri
                 point = {"step": base_step + step, "seconds": round(elapsed, 1), "tokens_seen": tokens,
                          "train_loss": float(torch.stack(losses).mean()) if losses else None,
                          **evaluate_in(cfg, device, head, model, corpus)}
+                if average is not None:
+                    point["average"] = average.evaluate(cfg, device, model, corpus)
+                    if elapsed >= budget:
+                        average.keep_if_better(point)
                 curve.append(point)
                 log(json.dumps(point))
                 if on_eval is not None:
@@ -439,6 +477,8 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, opt, log=pri
                 g["lr"] = lr_at(step, elapsed / budget, cfg)
             profile.before(step)
             losses.append(train_step(head, model, batch, cfg, opt, params))
+            if average is not None:
+                average.update()
             profile.after(step)
             tokens += int(batch[1].sum())
             step += 1

@@ -192,6 +192,35 @@ def test_a_few_steps_lower_the_loss_on_a_batch(tiny, corpus):
     assert torch.equal(model.get_input_embeddings().weight, embed_before)  # the target is never trained
 
 
+def test_the_weights_moving_average_is_evaluated_beside_them_and_kept_only_where_its_loss_is_lower(tiny, corpus):
+    from flashspec_core.train_head import WeightAverage
+
+    model, _ = tiny
+    head = new_head(model, corpus, CFG, [2])
+    params = [p for p in head.parameters() if p.requires_grad]
+    average = WeightAverage(head, 0.75)
+    first = [p.detach().clone() for p in params]
+    average.update()  # the first update copies the weights
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    average.update()
+    for a, p, f in zip([q for q in average.model.module.parameters() if q.requires_grad], params, first):
+        torch.testing.assert_close(a, 0.75 * f + 0.25 * (f + 1.0))
+    assert not average.keep_if_better({"loss": 1.0, "average": {"loss": 1.5}})
+    assert all(torch.equal(p, f + 1.0) for p, f in zip(params, first))
+    assert average.keep_if_better({"loss": 1.0, "average": {"loss": 0.5}})
+    for p, a in zip(params, [q for q in average.model.module.parameters() if q.requires_grad]):
+        assert torch.equal(p, a)  # the average itself
+    cfg = replace(CFG, weight_average=0.9)
+    curve = train(head, model, corpus, cfg, optimizer(head, cfg), log=lambda m: None)
+    last = curve[-1]
+    assert {"loss", "t1_tokens_per_forward"} <= set(last["average"]) and "kept_average" in last
+    assert last["kept_average"] == (last["average"]["loss"] < last["loss"])
+    with pytest.raises(ValueError, match="weight_average"):
+        replace(CFG, weight_average=1.0)
+
+
 def test_the_loss_reads_the_answer_slots_each_pass_predicts(tiny, corpus):
     model, _ = tiny
     head = new_head(model, corpus, CFG, [2])
