@@ -72,7 +72,7 @@ class TrainConfig:
     profile_steps: int = 0  # if > 0: after 10 warm steps, log where `profile_steps` training steps spend their time
     eval_sequences: int = 192
     weight_average: float = 0.0  # decay a step of an exponential moving average of the weights (0: none), evaluated
-    # beside them; the run ends on the average where its held-out loss is lower (`WeightAverage`)
+    # beside them at the end; the run ends on the average where its held-out loss is lower (`WeightAverage`)
 
     def __post_init__(self):
         if self.ttt_steps < 1 or self.draft_vocab < 1 or self.batch_tokens < self.max_len:
@@ -413,7 +413,7 @@ def has_moments(opt: torch.optim.Optimizer) -> bool:
 
 class WeightAverage:
     """An exponential moving average of the head's weights over the training steps (Polyak averaging, torch's
-    `AveragedModel`), for cfg.weight_average > 0: each evaluation reads it too (the point's "average"), and the last
+    `AveragedModel`), for cfg.weight_average > 0: the run's last evaluation reads it too (the point's "average") and
     puts it in the head where its held-out loss is the lower."""
 
     def __init__(self, head: DraftHead, decay: float):
@@ -443,7 +443,8 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, opt, log=pri
           on_eval=None) -> list[dict]:
     """Train with `opt` (`optimizer`) until cfg.train_minutes pass; evaluate every cfg.eval_every_s (then call
     on_eval(curve), e.g. to save a checkpoint); returns the curve (appended to). With cfg.weight_average, the
-    weights' moving average is evaluated beside them and the run ends on it where it is better (`WeightAverage`)."""
+    weights' moving average is evaluated beside them at the end and the run ends on it where it is better
+    (`WeightAverage`)."""
     curve = [] if curve is None else curve
     rng = random.Random(cfg.seed + len(curve))
     params = [p for group in opt.param_groups for p in group["params"]]
@@ -461,10 +462,9 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, opt, log=pri
                 point = {"step": base_step + step, "seconds": round(elapsed, 1), "tokens_seen": tokens,
                          "train_loss": float(torch.stack(losses).mean()) if losses else None,
                          **evaluate_in(cfg, device, head, model, corpus)}
-                if average is not None:
+                if average is not None and elapsed >= budget:  # one evaluation more, at the end only
                     point["average"] = average.evaluate(cfg, device, model, corpus)
-                    if elapsed >= budget:
-                        average.keep_if_better(point)
+                    average.keep_if_better(point)
                 curve.append(point)
                 log(json.dumps(point))
                 if on_eval is not None:

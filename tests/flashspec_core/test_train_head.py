@@ -215,6 +215,7 @@ def test_the_weights_moving_average_is_evaluated_beside_them_and_kept_only_where
     cfg = replace(CFG, weight_average=0.9)
     curve = train(head, model, corpus, cfg, optimizer(head, cfg), log=lambda m: None)
     last = curve[-1]
+    assert len(curve) >= 2 and all("average" not in point for point in curve[:-1])  # read at the end only
     assert {"loss", "t1_tokens_per_forward"} <= set(last["average"]) and "kept_average" in last
     assert last["kept_average"] == (last["average"]["loss"] < last["loss"])
     with pytest.raises(ValueError, match="weight_average"):
