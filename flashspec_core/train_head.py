@@ -434,7 +434,8 @@ class WeightAverage:
         if better:
             with torch.no_grad():
                 for p, a in zip(self.head.parameters(), self.model.module.parameters()):
-                    p.copy_(a)
+                    if p.requires_grad:  # the frozen rows (the target's embedding) stay untouched
+                        p.copy_(a)
         point["kept_average"] = better
         return better
 
