@@ -343,7 +343,8 @@ class Engine:
         drafts on the device (`DeviceRound.on_device`) and the stream's end cannot cut its K, launched at once:
         the host's work on this round overlaps the device's on the next. A round that drafts from the host's rows
         (the copy drafters) launches as soon as this one has landed and its drafter has learnt it, before the other
-        drafters learn it, the policy learns from it and its event is built."""
+        drafters learn it, the policy learns from it and its event is built; it plays only if still sure of the
+        landed rows (`HostPolicy.still_sure`), else the round is chosen again (`_choose_again`)."""
         if self.round.captured is None or not self.launch_ahead:
             return self._play_now(s), None
         turn = self._launch(s, ahead or Turn(self.policy.choose(s)))
