@@ -713,6 +713,8 @@ def corpus_for(cfg: TrainConfig, model, tokenizer, ckpt: Path, log=print) -> Cor
 
     if (ckpt / "corpus.json").exists():
         return load_corpus(ckpt)
+    if cfg.train_minutes <= 0 and (ckpt / "meta.json").exists():  # export only: never make a corpus for it
+        raise FileNotFoundError(f"{ckpt / 'corpus.json'} is missing: copy the run's corpus.json into the checkpoint")
     for old in ckpt.glob("corpus-*.safetensors"):  # an unfinished corpus is made again
         old.unlink()
     t0 = time.monotonic()
@@ -823,7 +825,8 @@ def main(argv=None) -> int:
 
     # an export-only call describes the corpus it was trained on, which need not all be here (shards left behind)
     sizes = meta["sizes"] if args.resume and cfg.train_minutes <= 0 and "sizes" in meta else describe(corpus, head, cfg)
-    opt = optimizer(head, cfg, moments_from(args, ckpt))
+    # an export-only call needs no moments (a checkpoint brought back without its opt shards exports too)
+    opt = optimizer(head, cfg, moments_from(args, ckpt) if cfg.train_minutes > 0 else None)
     if cfg.train_minutes > 0:
         train(head, model, corpus, cfg, opt, curve=meta["curve"], on_eval=checkpoint)
     checkpoint(meta["curve"])

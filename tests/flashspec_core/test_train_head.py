@@ -10,7 +10,7 @@ import torch
 from flashspec_core import Engine
 from flashspec_core.draft_head import load_head
 from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary, load_sources
-from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, answer_rows, batches, compile_loss,
+from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, answer_rows, batches, compile_loss, corpus_for,
                                        earlier_corpora, export, load_checkpoint, load_corpus, make_corpus, merge,
                                        has_moments, new_head, optimizer, pad, pass_loss, save_checkpoint,
                                        save_corpus, soft_targets, step_loss, train, train_step, valid)
@@ -117,6 +117,13 @@ def test_earlier_runs_corpora_join_in_order_and_a_missing_one_stops_training(cor
     with pytest.raises(FileNotFoundError, match="gone"):
         earlier_corpora(gone, resume=False)
     assert earlier_corpora(replace(gone, train_minutes=0), resume=True) == []  # export only: no corpus read
+
+
+def test_an_export_only_call_without_the_runs_corpus_json_says_so_instead_of_making_a_corpus(tiny, tmp_path):
+    (tmp_path / "meta.json").write_text("{}")  # a checkpoint brought back without corpus.json beside it
+    with pytest.raises(FileNotFoundError, match="corpus.json"):
+        corpus_for(replace(CFG, train_minutes=0), *tiny, tmp_path)
+    assert not list(tmp_path.glob("corpus-*"))
 
 
 def test_draft_vocabulary_is_the_most_frequent_answer_tokens():
@@ -299,6 +306,38 @@ def test_a_checkpoint_keeps_the_optimizers_moments_for_the_run_that_goes_on(tiny
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 assert torch.equal(moved.state[p][key], saved[n][key]), (n, key)
     assert moments_from(argparse.Namespace(resume=False, init=None), tmp_path) is None
+
+
+def test_an_export_only_call_needs_no_moments_so_a_checkpoint_brought_back_without_some_exports(tiny, corpus, tmp_path,
+                                                                                                  monkeypatch):
+    """A GPU machine brings back at most 8 files a call: a checkpoint may come back with some opt shards left behind.
+    `--resume --train-minutes 0` exports it all the same and leaves the moments that did come back as they were."""
+    from safetensors.torch import load_file, save_file
+
+    import flashspec_core.models
+    from flashspec_core.train_head import main
+
+    model, tokenizer = tiny
+    head = new_head(model, corpus, CFG, [2])
+    opt = optimizer(head, CFG)
+    batch = pad(corpus, batches(corpus, corpus.split(False), CFG, random.Random(0))[0], CFG.max_len, "cpu")
+    train_step(head, model, batch, CFG, opt, [p for p in head.parameters() if p.requires_grad])
+    ckpt = tmp_path / "ckpt"
+    meta = {"target": "tiny", "head": {**head.cfg.__dict__, "aux_layers": list(head.cfg.aux_layers)}, "steps": 1,
+            "seconds": {"data": 1.0, "train": 1.0}, "curve": [], "sizes": {"answers": len(corpus)}}
+    save_checkpoint(head, ckpt, meta, opt)
+    (ckpt / "corpus.json").write_text('{"answers": 1}')
+    shard = sorted(ckpt.glob("opt-*.safetensors"))[-1]
+    part = {k: v for k, v in load_file(str(shard)).items() if not k.endswith("exp_avg_sq")}  # a shard left behind
+    save_file(part, str(shard))
+    monkeypatch.setattr(flashspec_core.models, "load_model", lambda *a, **k: tiny)
+    assert main(["--ckpt", str(ckpt), "--resume", "--train-minutes", "0", "--out", str(tmp_path / "out")]) == 0
+    shipped = load_head(tmp_path / "out", model.config, model.get_input_embeddings().weight)
+    for name, t in head.state_dict().items():
+        if name in shipped.state_dict() and name != "lm_head.weight":
+            want = t.to(torch.bfloat16).float() if t.is_floating_point() else t  # exported in bfloat16
+            assert torch.equal(shipped.state_dict()[name].to(want.dtype), want), name
+    assert load_file(str(shard)).keys() == part.keys()  # the moments on disk untouched
 
 
 def test_a_run_from_trained_weights_peaks_at_the_trained_lr_unless_lr_is_set():
