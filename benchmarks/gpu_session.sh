@@ -33,8 +33,8 @@
 #   step:    the layer-op kernels' tests on CUDA and one forward's kernels with the torch ops and with them
 #            (benchmarks.gpu_step --layer-ops torch triton folded); no GGUF needed
 #   watch:   watch the background run (WATCH_S seconds at most); once it is done, evaluate (EVAL_ARGS) and bring back
-#            (the export goes to /root/head_out; $OUT/ckpt gets the float32 shards, which `train_head --resume
-#            --train-minutes 0` exports here and a later run resumes from): the log, the
+#            (the export goes to /root/head_out; $OUT/ckpt gets the float32 shards and corpus.json, which `train_head
+#            --ckpt <that folder> --resume --train-minutes 0` exports here and a later run resumes from): the log, the
 #            head's and AdamW's shards, meta.json and corpus.json fill the 8 files a call brings back (NO_OPT=1: the
 #            run's bank_sources.json.gz in the moments' place; a later headgo reuses it with .carry/<dir>/ carried and
 #            `--set sources=.carry/<dir>/bank_sources.json.gz`, skipping the topics and materials, ~65 s of the data)
@@ -141,11 +141,16 @@ headgo)
   watch_run ${WATCH_S:-520} ;;
 watch)
   if watch_run ${WATCH_S:-520}; then
-    cp /root/train.log "$OUT/" && bring_back && cp /root/ckpt/corpus.json "$OUT/"  # 8 files: the rest with `shards`
+    # 8 files: the log and the checkpoint with its corpus.json (an export here needs it beside the shards); the
+    # machine's name goes in the log instead of gpu.txt, so the third AdamW shard has its place; corpus shards: `shards`
+    cat "$OUT/gpu.txt" >> /root/train.log && rm -f "$OUT/gpu.txt"
+    cp /root/train.log "$OUT/" && bring_back && cp /root/ckpt/corpus.json "$OUT/ckpt/"
     # without the moments there is room for the run's topics and materials (a later run's `--set sources=`)
     [ "${NO_OPT:-}" = 1 ] && cp /root/ckpt/bank_sources.json.gz "$OUT/" 2>/dev/null
-    [ -n "${EVAL_ARGS:-}" ] && python3 -m benchmarks.head ${EVAL_ARGS} 2>&1 | grep -v -i "loading weights" | tail -40
-    cp benchmarks/results/head_embedded_cuda*.json "$OUT/" 2>/dev/null
+    if [ -n "${EVAL_ARGS:-}" ]; then  # its JSON only, not the committed ones (it has a place with NO_OPT=1)
+      touch /tmp/eval.start && python3 -m benchmarks.head ${EVAL_ARGS} 2>&1 | grep -v -i "loading weights" | tail -40
+      find benchmarks/results -name 'head_embedded_cuda*.json' -newer /tmp/eval.start -exec cp {} "$OUT/" \;
+    fi
   fi ;;
 ckpt)
   mkdir -p /root/ckpt && for d in .carry/ck*/; do cp $d* /root/ckpt/; done; ls -la /root/ckpt ;;
