@@ -31,6 +31,7 @@ from statistics import mean
 import torch
 
 from flashspec_core import Engine, SamplingConfig
+from flashspec_core.draft_head import load_head
 from flashspec_core.engine import HEADS, head_for
 from flashspec_core.models import embedded_gguf, load_model, pick_device, pick_dtype
 from flashspec_core.train_head import agreement, draft_side, target_side
@@ -171,14 +172,27 @@ def load_heads(folders: list[Path], model, tokenizer, args) -> dict:
     heads = {}
     taus = [float(t) for t in args.draft_temperatures.split(",") if t] or [None]
     for f, tau in ((f, tau) for f in folders for tau in taus):
+        name = f.parent.name + "/" + f.name + ("" if tau is None else f"@{tau:g}")
+        if layers(f) > 1:  # drafting runs one-layer heads: teacher-forced columns only
+            if args.online_k or args.precision == "gguf":
+                raise SystemExit(f"{f}: a {layers(f)}-layer head is measured teacher-forced on the float32 path only "
+                                 "(pass --online-k '' and no --precision gguf)")
+            head = load_head(f, model.config, model.get_input_embeddings().weight)
+            head.cfg = head.cfg if tau is None else replace(head.cfg, draft_temperature=tau)
+            heads[name] = (head, None)
+            continue
         drafter = head_for("embedded", model, packed=gguf is not None, folder=f)
         head = drafter.head
         head.cfg = head.cfg if tau is None else replace(head.cfg, draft_temperature=tau)
         drafter.sets_length = drafter.sets_length and not args.fixed_chains
-        name = f.parent.name + "/" + f.name + ("" if tau is None else f"@{tau:g}")
         heads[name] = (head, Engine.from_models(model, [drafter], tokenizer=tokenizer, name="embedded", gguf=gguf))
         run_engine(heads[name][1], "Hello!", 8, args.seed, drafters=["draft_head"], gamma=4)  # warm-up
     return heads
+
+
+def layers(folder: Path) -> int:
+    """A head folder's decoder layers (its config.json)."""
+    return int(json.loads((Path(folder) / "config.json").read_text()).get("num_hidden_layers", 1))
 
 
 def main(argv=None) -> int:
@@ -206,7 +220,9 @@ def main(argv=None) -> int:
     device = pick_device(args.device)
     model, tokenizer = load_model("embedded", device, pick_dtype("auto", device))
     heads = load_heads(folders, model, tokenizer, args)
-    engine = next(iter(heads.values()))[1]
+    engine = next((e for _, e in heads.values() if e is not None), None)
+    if engine is None:
+        raise SystemExit("name a one-layer head too (--head): its engine decodes the answers the heads are measured on")
     side = static_side(engine.target) if args.precision == "gguf" else partial(target_side, model)
     rows = []
     for set_name in args.sets.split(","):

@@ -54,8 +54,12 @@ class HeadConfig:
     target_layers: int  # decoder layers of the target, to check the aux ids and the pairing
     max_position_embeddings: int
     draft_temperature: float = 1.0  # sampled drafts draw from softmax(logits / (the target's temperature * this))
+    num_layers: int = 1  # decoder layers: the first reads the token and the features, later ones the layer below
+    # (more than one: training and teacher-forced evaluation only; the drafters step one-layer heads)
 
     def __post_init__(self):
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers!r}")
         if not 0 < self.draft_temperature <= 4:
             raise ValueError(f"draft_temperature must be in (0, 4], got {self.draft_temperature!r}")
         if self.num_heads % self.num_kv_heads:
@@ -85,12 +89,12 @@ class HeadConfig:
 
 
 class _Attention(nn.Module):
-    def __init__(self, cfg: HeadConfig):
+    def __init__(self, cfg: HeadConfig, inputs: int = 2):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(2 * H, cfg.num_heads * D, bias=False)
-        self.k_proj = nn.Linear(2 * H, cfg.num_kv_heads * D, bias=False)
-        self.v_proj = nn.Linear(2 * H, cfg.num_kv_heads * D, bias=False)
+        self.q_proj = nn.Linear(inputs * H, cfg.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(inputs * H, cfg.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(inputs * H, cfg.num_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * D, H, bias=False)
 
 
@@ -114,6 +118,21 @@ class _MidLayer(nn.Module):
         self.mlp = _MLP(cfg)
 
 
+class _LaterLayer(nn.Module):
+    """A plain Llama decoder layer over the layer below's output; it starts as the identity (its attention's and
+    MLP's output products zero), so a head grown from a trained one computes what that one did."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.self_attn = _Attention(cfg, inputs=1)
+        self.post_attention_layernorm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.mlp = _MLP(cfg)
+        nn.init.zeros_(self.self_attn.o_proj.weight)
+        nn.init.zeros_(self.mlp.down_proj.weight)
+
+
 class DraftHead(nn.Module):
     """The head's parameters and its two forwards: `step` (inference, through a `HeadCache`) and `ttt_forward`
     (training). `embed` is the target's input embedding [V, H], shared, never saved with the head."""
@@ -124,6 +143,7 @@ class DraftHead(nn.Module):
         H = cfg.hidden_size
         self.fc = nn.Linear(cfg.feature_size, H, bias=False)
         self.midlayer = _MidLayer(cfg)
+        self.later_layers = nn.ModuleList(_LaterLayer(cfg) for _ in range(cfg.num_layers - 1))
         self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)  # rows of the target's tied embedding, frozen
@@ -170,6 +190,7 @@ class DraftHead(nn.Module):
         are one product, gate and up another. A drafter need not be exact: verification keeps the output exact. Training
         ignores it; `set_draft_vocab` drops it. Native packing of a float32 head on the CPU also runs the whole
         layer as one native op (`_native_step`)."""
+        self.check_one_layer()
         if not native and next(self.parameters()).dtype != torch.bfloat16:
             raise ValueError("int8 rows take bfloat16 activations: load the head in torch.bfloat16")
         attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
@@ -227,23 +248,34 @@ class DraftHead(nn.Module):
 
     def _qkv(self, tokens: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
         """tokens [B, T], hidden [B, T, H] -> q [B, nh, T, D], k and v [B, nkv, T, D] (rotated)."""
-        layer, cfg = self.midlayer, self.cfg
-        B, T = tokens.shape
+        layer = self.midlayer
         e = F.embedding(tokens, self.embed).to(hidden.dtype)
         x = torch.cat([layer.input_layernorm(e), layer.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
         attn = layer.self_attn
-        q, k, v = self._product("qkv", x, attn.q_proj, attn.k_proj, attn.v_proj)
+        return self._rotated_heads(*self._product("qkv", x, attn.q_proj, attn.k_proj, attn.v_proj), pos)
+
+    def _later_qkv(self, layer: _LaterLayer, hidden: torch.Tensor, pos: torch.Tensor):
+        """`_qkv` of a later layer: its input is the layer below's output [B, T, H] alone."""
+        attn, x = layer.self_attn, layer.input_layernorm(hidden)
+        return self._rotated_heads(*(linear(x, m.weight, None, self.columns) for m in
+                                     (attn.q_proj, attn.k_proj, attn.v_proj)), pos)
+
+    def _rotated_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        """q [B, T, nh * D], k and v [B, T, nkv * D] -> q [B, nh, T, D], k and v [B, nkv, T, D], q and k rotated."""
+        cfg = self.cfg
+        B, T, _ = q.shape
         q = q.reshape(B, T, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         cos, sin = self._rotary(pos, q.dtype)  # once for q and k
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin), v
 
-    def _finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def _finish(self, hidden: torch.Tensor, attended: torch.Tensor, layer: nn.Module | None = None) -> torch.Tensor:
         """The residual update after attention: hidden [B, T, H] (the un-normed input), attended [B, nh, T, D]
-        -> the layer's pre-norm output [B, T, H] (what the next draft step reads as its hidden state)."""
+        -> the layer's pre-norm output [B, T, H] (what the next draft step reads as its hidden state). layer: the
+        midlayer (default; its products packed where `pack` packed them) or a later one."""
         B, _, T, _ = attended.shape
-        layer = self.midlayer
+        layer = layer or self.midlayer
         h = hidden + self._product("o", attended.transpose(1, 2).reshape(B, T, -1), layer.self_attn.o_proj)
         mlp, x = layer.mlp, layer.post_attention_layernorm(h)
         gate, up = self._product("gate_up", x, mlp.gate_proj, mlp.up_proj)
@@ -268,6 +300,7 @@ class DraftHead(nn.Module):
         causally (a chain). A tree level passes its own: positions [T] int64 (a node's depth past the verified
         slots) and mask [T, length + T] bool, True where a new slot may attend (the cached slots, then the new
         ones): the verified slots, the node's ancestors and itself."""
+        self.check_one_layer()
         T = tokens.shape[1]
         start = cache.length
         if mask is not None and tuple(mask.shape) != (T, start + T):
@@ -315,6 +348,7 @@ class DraftHead(nn.Module):
         pos[t] = pos[0] + t) are written in place and attend to the cache's first S slots at positions <= their own
         (the verified slots, earlier new slots, and nothing stale: every slot below a query's position is current).
         The cache's `length` (a host count) is left to the caller."""
+        self.check_one_layer()
         if self.uses_kernels(hidden):
             return self._step_kernels(cache, tokens, hidden, pos, pos, cache.slots[:S][None, :] <= pos[:, None])
         q, k, v = self._qkv(tokens, hidden, pos)
@@ -328,12 +362,20 @@ class DraftHead(nn.Module):
         """A tree level for a captured round: T new slots written at cache slots [T] (device), rotated at rope [T],
         each attending where mask [T, S] (bool, over the cache's first S slots) allows: the verified slots, its
         ancestors and itself. Fixed shapes, no host reads (a draft's bits need not be a chain's)."""
+        self.check_one_layer()
         if self.uses_kernels(hidden):
             return self._step_kernels(cache, tokens, hidden, slots, rope, mask)
         q, k, v = self._qkv(tokens, hidden, rope)
         keys, values = cache.write_at(k, v, slots, mask.shape[1])
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self._finish(hidden, attended)
+
+    def check_one_layer(self) -> None:
+        """The drafting steps (and `pack`) run the midlayer alone: a head with later layers is for training and
+        teacher-forced evaluation (`ttt_forward`) only."""
+        if self.later_layers:
+            raise ValueError(f"this draft head has {self.cfg.num_layers} decoder layers; drafting runs one-layer "
+                             "heads only (more layers: training and teacher-forced evaluation)")
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
         """Whether the captured step, the logits' norm and a captured tree's levels (`kernels.tree_level`) run Triton
@@ -421,13 +463,17 @@ class DraftHead(nn.Module):
         hidden = self.fuse(features)
         slots = torch.arange(T, device=ids.device)
         causal = slots[None, :] <= slots[:, None]  # [T, T]
-        keys, values, outs = [], [], []
+        keys, values = [[] for _ in range(self.cfg.num_layers)], [[] for _ in range(self.cfg.num_layers)]
+        outs = []
         for j in range(steps):
             tokens = F.pad(ids[:, 1 + j:], (0, 1 + j))  # token t + 1 + j at slot t
-            q, k, v = self._qkv(tokens, hidden, slots + j)
-            keys.append(k)
-            values.append(v)
-            hidden = self._finish(hidden, _ttt_attention(q, keys, values, causal))
+            h = hidden
+            for i, layer in enumerate([self.midlayer, *self.later_layers]):
+                q, k, v = self._qkv(tokens, h, slots + j) if i == 0 else self._later_qkv(layer, h, slots + j)
+                keys[i].append(k)
+                values[i].append(v)
+                h = self._finish(h, _ttt_attention(q, keys[i], values[i], causal), layer)
+            hidden = h
             outs.append(hidden)
         return outs
 
@@ -496,7 +542,7 @@ def eagle3_config(cfg: HeadConfig) -> dict:
     target's aux layer ids (top level: vLLM's key, same meaning; SGLang's default for these ids is the same
     layers, so `eagle_config` names none), plus the FlashSpec fields needed to rebuild `HeadConfig`."""
     return {
-        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1,
+        "architectures": [ARCHITECTURE], "model_type": "llama", "num_hidden_layers": cfg.num_layers,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
@@ -505,7 +551,8 @@ def eagle3_config(cfg: HeadConfig) -> dict:
         "target_hidden_size": cfg.hidden_size, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
         "eagle_config": {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True},
-        "flashspec": {**asdict(cfg), "aux_layers": list(cfg.aux_layers)},
+        "flashspec": {k: v for k, v in {**asdict(cfg), "aux_layers": list(cfg.aux_layers)}.items()
+                      if k != "num_layers"},  # num_hidden_layers says it
     }
 
 
@@ -548,7 +595,8 @@ def load_head(folder: Path, target_config, embed: torch.Tensor, device=None, dty
     try:
         raw = json.loads((folder / CONFIG_FILE).read_text())
         fields = dict(raw["flashspec"])
-        cfg = HeadConfig(**{**fields, "aux_layers": tuple(fields["aux_layers"])})
+        cfg = HeadConfig(**{**fields, "aux_layers": tuple(fields["aux_layers"]),
+                            "num_layers": int(raw.get("num_hidden_layers", 1))})
         weights = load_file(str(folder / WEIGHTS_FILE))
     except FileNotFoundError as e:  # safetensors' own error carries no file name
         name = Path(e.filename).name if e.filename else WEIGHTS_FILE

@@ -661,6 +661,7 @@ class DraftHeadDrafter(Drafter):
         catch_up: run the first pass once this many verified slots wait (1: every round)."""
         if not isinstance(catch_up, int) or catch_up < 1:
             raise ValueError(f"catch_up must be a positive int, got {catch_up!r}")
+        head.check_one_layer()
         super().__init__(head.d2t.device)
         self.head, self.vocab_size = head, vocab_size
         head.columns = self.device.type == "cpu"  # matrix products for its few rows there (fast_path.linear)

@@ -53,6 +53,7 @@ class TrainConfig:
     round_answers: int = 49152  # answers made in one pass (all temperatures at once), then saved as shards
     draft_vocab: int = 16384  # rows of the head's output layer
     head_intermediate: int = 0  # the head's MLP width (0: the target's); past --init's, the new units start silent
+    head_layers: int = 1  # the head's decoder layers; past --init's, the new ones start as the identity
     ttt_steps: int = 7  # draft passes unrolled per training step
     step_decay: float = 0.8  # loss weight of pass j: decay**j
     tv_weight: float = 0.0  # weight of each pass's chance of rejection at temperature 1, 1 - sum min(p, q), in the loss
@@ -674,6 +675,7 @@ def new_head(model, corpus: Corpus, cfg: TrainConfig, eos_ids) -> DraftHead:
     head_cfg = HeadConfig.for_target(model.config, min(cfg.draft_vocab, model.config.vocab_size))
     if cfg.head_intermediate:
         head_cfg = replace(head_cfg, intermediate_size=cfg.head_intermediate)
+    head_cfg = replace(head_cfg, num_layers=cfg.head_layers)
     head = DraftHead(head_cfg, model.get_input_embeddings().weight).to(next(model.parameters()).device)
     head.set_draft_vocab(draft_vocabulary(corpus, head_cfg.draft_vocab_size, head_cfg.vocab_size, eos_ids))
     return head

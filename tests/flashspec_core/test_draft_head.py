@@ -333,3 +333,58 @@ def test_the_export_writes_the_whole_eagle3_file_of_the_shipped_head(tmp_path):
     assert whole["lm_head.weight"].shape == (ids.numel(), 576) and whole["lm_head.weight"].dtype == torch.bfloat16
     assert len(set(ids.tolist())) == ids.numel()
     assert json.loads((tmp_path / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
+
+
+def grown_head(target, one: DraftHead, seed=1) -> DraftHead:
+    """A two-layer head with `one`'s weights in its first layer (as train_head's --init grows one), later layer fresh."""
+    torch.manual_seed(seed)
+    two = DraftHead(replace(one.cfg, num_layers=2), target.get_input_embeddings().weight)
+    two.set_draft_vocab(one.draft_ids)
+    missing, unexpected = two.load_state_dict(one.state_dict(), strict=False)
+    assert not unexpected and missing and all(n.startswith("later_layers.0.") for n in missing)
+    return two.eval()
+
+
+def test_a_later_layer_starts_as_the_identity_and_sees_no_later_tokens(target):
+    """Grown from a one-layer head, a two-layer head's training passes start where the one-layer head's are; once its
+    later layer has weights, pass j at slot t still reads nothing past token t + 1 + j."""
+    one = tiny_head(target)
+    two = grown_head(target, one)
+    g = torch.Generator().manual_seed(0)
+    T, K = 10, 3
+    ids = torch.randint(0, V, (2, T), generator=g)
+    feats = torch.randn(2, T, one.cfg.feature_size, generator=g)
+    with torch.no_grad():
+        for a, b in zip(one.ttt_forward(feats, ids, K), two.ttt_forward(feats, ids, K)):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+        for p in two.later_layers.parameters():
+            p.normal_(0, 0.3)
+        outs = two.ttt_forward(feats, ids, K)
+        assert not torch.allclose(outs[0], one.ttt_forward(feats, ids, 1)[0])  # the later layer now counts
+        t = 4
+        changed = ids.clone()
+        changed[:, t + K + 1:] = (changed[:, t + K + 1:] + 1) % V  # tokens past what pass K - 1 at slot t reads
+        feats2 = feats.clone()
+        feats2[:, t + 1:] += 1.0
+        again = two.ttt_forward(feats2, changed, K)
+        for j in range(K):
+            torch.testing.assert_close(again[j][:, :t + 1], outs[j][:, :t + 1], atol=1e-6, rtol=1e-6)
+
+
+def test_a_two_layer_head_saves_loads_and_is_refused_for_drafting(target, tmp_path):
+    two = grown_head(target, tiny_head(target))
+    save_head(two, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 2
+    loaded = load_head(tmp_path, target.config, target.get_input_embeddings().weight)
+    assert loaded.cfg.num_layers == 2 and len(loaded.later_layers) == 1
+    for name, t in two.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], t.to(torch.bfloat16).to(t.dtype) if t.is_floating_point() else t)
+    from flashspec_core.drafters import DraftHeadDrafter
+
+    with pytest.raises(ValueError, match="2 decoder layers; drafting runs one-layer heads"):
+        DraftHeadDrafter(loaded, V)
+    with pytest.raises(ValueError, match="drafting runs one-layer heads"):
+        loaded.step(HeadCache(loaded.cfg, 1, 4, "cpu", torch.float32), torch.zeros(1, 1, dtype=torch.long),
+                    torch.zeros(1, 1, 16))
+    with pytest.raises(ValueError, match="num_layers must be >= 1"):
+        replace(loaded.cfg, num_layers=0)

@@ -387,6 +387,36 @@ def test_a_wider_head_from_init_starts_where_the_trained_one_is_and_trains_its_n
     assert engine.generate("Tell me about rivers.", 12, drafters=["draft_head"], gamma=3).token_ids == plain
 
 
+def test_a_deeper_head_from_init_starts_where_the_trained_one_is_and_trains_its_new_layer(tiny, corpus, tmp_path):
+    """--set head_layers=2 from a one-layer checkpoint: the first layer keeps the trained weights, the new one starts
+    as the identity (the same loss, to rounding), a step gives it weights, and the export says two layers."""
+    import argparse
+    from dataclasses import replace
+
+    from flashspec_core.train_head import moments_from, start_head
+
+    model, _ = tiny
+    head = new_head(model, corpus, CFG, [2])
+    opt = optimizer(head, CFG)
+    batch = pad(corpus, batches(corpus, corpus.split(False), CFG, random.Random(0))[0], CFG.max_len, "cpu")
+    train_step(head, model, batch, CFG, opt, [p for p in head.parameters() if p.requires_grad])
+    meta = {"target": "tiny", "head": {**head.cfg.__dict__, "aux_layers": list(head.cfg.aux_layers)}, "steps": 1}
+    save_checkpoint(head, tmp_path / "ckpt", meta, opt)
+    deep_cfg = replace(CFG, head_layers=2)
+    args = argparse.Namespace(resume=False, init=str(tmp_path / "ckpt"))
+    deep, _ = start_head(args, deep_cfg, model, corpus, tmp_path / "new", [2])
+    assert deep.cfg.num_layers == 2
+    with torch.no_grad():
+        assert torch.allclose(step_loss(deep, model, batch, deep_cfg), step_loss(head, model, batch, CFG), rtol=1e-5)
+    moved = optimizer(deep, deep_cfg, moments_from(args, tmp_path / "new"))
+    out = dict(deep.named_parameters())["later_layers.0.self_attn.o_proj.weight"]
+    assert not out.any()
+    train_step(deep, model, batch, deep_cfg, moved, [p for p in deep.parameters() if p.requires_grad])
+    assert out.abs().sum() > 0
+    export(deep, {**meta, "head": {**deep.cfg.__dict__, "aux_layers": list(deep.cfg.aux_layers)}}, tmp_path / "out")
+    assert load_head(tmp_path / "out", model.config, model.get_input_embeddings().weight).cfg.num_layers == 2
+
+
 def test_init_takes_a_shipped_heads_trainable_weights_whatever_its_vocabulary(tiny, corpus, tmp_path):
     import argparse
 
