@@ -54,6 +54,8 @@ class TrainConfig:
     draft_vocab: int = 16384  # rows of the head's output layer
     head_intermediate: int = 0  # the head's MLP width (0: the target's); past --init's, the new units start silent
     head_layers: int = 1  # the head's decoder layers; past --init's, the new ones start as the identity
+    later_lr: float = 0.0  # peak lr of the later decoder layers (0: lr): a layer grown from a trained head learns from
+    # zero, where lr 1e-4 (the trained weights') left its output products ~50x smaller than the trained layer's in 7 min
     ttt_steps: int = 7  # draft passes unrolled per training step
     step_decay: float = 0.8  # loss weight of pass j: decay**j
     tv_weight: float = 0.0  # weight of each pass's chance of rejection at temperature 1, 1 - sum min(p, q), in the loss
@@ -352,6 +354,12 @@ def lr_at(step: int, fraction: float, cfg: TrainConfig) -> float:
     return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, fraction))))
 
 
+def set_lr(opt: torch.optim.Optimizer, step: int, fraction: float, cfg: TrainConfig) -> None:
+    """`lr_at` for each of opt's groups, scaled to its own peak ("peak": lr, or later_lr for the later layers)."""
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, fraction, cfg) * g.get("peak", cfg.lr) / cfg.lr
+
+
 def train_step(head: DraftHead, model, batch, cfg: TrainConfig, opt, params) -> torch.Tensor:
     with autocast(cfg, next(model.parameters()).device):
         loss = step_loss(head, model, batch, cfg)
@@ -398,7 +406,10 @@ def optimizer(head: DraftHead, cfg: TrainConfig, folder: Path | None = None) -> 
     """AdamW over the head's trainable weights; with the moments a checkpoint in `folder` saved (`opt-NN` shards),
     if it has them."""
     params = dict((n, p) for n, p in head.named_parameters() if p.requires_grad)
-    opt = torch.optim.AdamW(list(params.values()), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    later = [n.startswith("later_layers.") for n in params]
+    groups = [{"params": [p for p, x in zip(params.values(), later) if x == is_later],
+               "peak": cfg.later_lr if is_later and cfg.later_lr > 0 else cfg.lr} for is_later in (False, True)]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = load_shards(folder, "opt") if folder is not None else {}
     for name, p in params.items():
         if f"{name}.exp_avg" in state and state[f"{name}.exp_avg"].shape == p.shape:  # a widened MLP starts fresh
@@ -475,8 +486,7 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, opt, log=pri
                 if elapsed >= budget:
                     return curve
             batch = pad(corpus, idx, cfg.max_len, device)
-            for g in opt.param_groups:
-                g["lr"] = lr_at(step, elapsed / budget, cfg)
+            set_lr(opt, step, elapsed / budget, cfg)
             profile.before(step)
             losses.append(train_step(head, model, batch, cfg, opt, params))
             if average is not None:

@@ -12,8 +12,8 @@ from flashspec_core.draft_head import load_head
 from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary, load_sources
 from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, answer_rows, batches, compile_loss, corpus_for,
                                        earlier_corpora, export, load_checkpoint, load_corpus, make_corpus, merge,
-                                       has_moments, new_head, optimizer, pad, pass_loss, save_checkpoint,
-                                       save_corpus, soft_targets, step_loss, train, train_step, valid)
+                                       has_moments, lr_at, new_head, optimizer, pad, pass_loss, save_checkpoint,
+                                       save_corpus, set_lr, soft_targets, step_loss, train, train_step, valid)
 
 CFG = TrainConfig(topic_asks_per_domain=1, materials=8, bank_prompts=40, self_prompts=4, follow_ups=4, max_new_tokens=10,
                   gen_batch=64, round_answers=32, draft_vocab=256, ttt_steps=3, batch_tokens=512, max_len=256,
@@ -402,7 +402,7 @@ def test_a_deeper_head_from_init_starts_where_the_trained_one_is_and_trains_its_
     train_step(head, model, batch, CFG, opt, [p for p in head.parameters() if p.requires_grad])
     meta = {"target": "tiny", "head": {**head.cfg.__dict__, "aux_layers": list(head.cfg.aux_layers)}, "steps": 1}
     save_checkpoint(head, tmp_path / "ckpt", meta, opt)
-    deep_cfg = replace(CFG, head_layers=2)
+    deep_cfg = replace(CFG, head_layers=2, later_lr=8 * CFG.lr)
     args = argparse.Namespace(resume=False, init=str(tmp_path / "ckpt"))
     deep, _ = start_head(args, deep_cfg, model, corpus, tmp_path / "new", [2])
     assert deep.cfg.num_layers == 2
@@ -411,6 +411,12 @@ def test_a_deeper_head_from_init_starts_where_the_trained_one_is_and_trains_its_
     moved = optimizer(deep, deep_cfg, moments_from(args, tmp_path / "new"))
     out = dict(deep.named_parameters())["later_layers.0.self_attn.o_proj.weight"]
     assert not out.any()
+    set_lr(moved, 5, 0.5, deep_cfg)  # the grown layer's group at later_lr, the trained weights at lr
+    later = {id(p) for n, p in deep.named_parameters() if n.startswith("later_layers.")}
+    for g in moved.param_groups:
+        is_later = {id(p) for p in g["params"]} <= later
+        assert g["lr"] == pytest.approx(lr_at(5, 0.5, deep_cfg) * (8 if is_later else 1))
+    assert sum(len(g["params"]) for g in moved.param_groups) == sum(p.requires_grad for p in deep.parameters())
     train_step(deep, model, batch, deep_cfg, moved, [p for p in deep.parameters() if p.requires_grad])
     assert out.abs().sum() > 0
     export(deep, {**meta, "head": {**deep.cfg.__dict__, "aux_layers": list(deep.cfg.aux_layers)}}, tmp_path / "out")
