@@ -371,6 +371,50 @@ def test_a_later_layer_starts_as_the_identity_and_sees_no_later_tokens(target):
             torch.testing.assert_close(again[j][:, :t + 1], outs[j][:, :t + 1], atol=1e-6, rtol=1e-6)
 
 
+def chained_two_layer_steps(head: DraftHead, feats, ids, t: int, K: int) -> list[torch.Tensor]:
+    """A reference for `ttt_forward` with a later layer, built as drafting would run it: each layer keeps its own keys
+    and values; slots 0..t go in at once (causal), then one slot a pass, each layer over the layer below's output.
+    Returns pass j's output at slot t, j < K."""
+    import torch.nn.functional as F
+
+    caches = [[None, None] for _ in range(head.cfg.num_layers)]
+
+    def layer_pass(tokens, hidden, pos):
+        h = hidden
+        for i, layer in enumerate([head.midlayer, *head.later_layers]):
+            q, k, v = head._qkv(tokens, h, pos) if i == 0 else head._later_qkv(layer, h, pos)
+            c = caches[i]
+            c[0] = k if c[0] is None else torch.cat([c[0], k], 2)
+            c[1] = v if c[1] is None else torch.cat([c[1], v], 2)
+            S, T = c[0].shape[2], k.shape[2]
+            mask = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
+            h = head._finish(h, F.scaled_dot_product_attention(q, c[0], c[1], attn_mask=mask, enable_gqa=True), layer)
+        return h
+
+    h = layer_pass(ids[:, 1:t + 2], head.fuse(feats[:, :t + 1]), torch.arange(t + 1))[:, -1:]
+    outs = [h[:, 0]]
+    for j in range(1, K):
+        h = layer_pass(ids[:, t + 1 + j:t + 2 + j], h, torch.tensor([t + j]))
+        outs.append(h[:, 0])
+    return outs
+
+
+def test_ttt_forward_with_a_later_layer_is_the_chain_each_layer_keeping_its_own_keys(target):
+    head = grown_head(target, tiny_head(target))
+    with torch.no_grad():
+        for p in head.later_layers.parameters():
+            p.normal_(0, 0.3)
+    g = torch.Generator().manual_seed(1)
+    T, K = 11, 4
+    ids = torch.randint(0, V, (2, T), generator=g)
+    feats = torch.randn(2, T, head.cfg.feature_size, generator=g)
+    with torch.no_grad():
+        outs = head.ttt_forward(feats, ids, K)
+        for t in (0, 2, 6):
+            for j, h in enumerate(chained_two_layer_steps(head, feats, ids, t, K)):
+                torch.testing.assert_close(h, outs[j][:, t], atol=1e-5, rtol=1e-5)
+
+
 def test_a_two_layer_head_saves_loads_and_is_refused_for_drafting(target, tmp_path):
     two = grown_head(target, tiny_head(target))
     save_head(two, tmp_path)
