@@ -30,6 +30,12 @@ def tiny_head(target, draft_vocab=40, seed=0) -> DraftHead:
     return head.eval()
 
 
+def ids_and_features(head: DraftHead, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of T random tokens and aux features for `head`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (2, T), generator=g), torch.randn(2, T, head.cfg.feature_size, generator=g)
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_llama(vocab=V, seed=3, layers=4)
@@ -38,10 +44,8 @@ def target():
 def test_ttt_forward_is_the_inference_chain(target):
     """Pass j of training at slot t equals the j-th chained draft step after verified slots 0..t."""
     head = tiny_head(target)
-    g = torch.Generator().manual_seed(0)
     T, K = 12, 4
-    ids = torch.randint(0, V, (2, T), generator=g)
-    feats = torch.randn(2, T, head.cfg.feature_size, generator=g)
+    ids, feats = ids_and_features(head, T, 0)
     with torch.no_grad():
         outs = head.ttt_forward(feats, ids, K)
         for t in (0, 3, 6):
@@ -350,10 +354,8 @@ def test_a_later_layer_starts_as_the_identity_and_sees_no_later_tokens(target):
     later layer has weights, pass j at slot t still reads nothing past token t + 1 + j."""
     one = tiny_head(target)
     two = grown_head(target, one)
-    g = torch.Generator().manual_seed(0)
-    T, K = 10, 3
-    ids = torch.randint(0, V, (2, T), generator=g)
-    feats = torch.randn(2, T, one.cfg.feature_size, generator=g)
+    K = 3
+    ids, feats = ids_and_features(one, 10, 0)
     with torch.no_grad():
         for a, b in zip(one.ttt_forward(feats, ids, K), two.ttt_forward(feats, ids, K)):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
@@ -404,10 +406,8 @@ def test_ttt_forward_with_a_later_layer_is_the_chain_each_layer_keeping_its_own_
     with torch.no_grad():
         for p in head.later_layers.parameters():
             p.normal_(0, 0.3)
-    g = torch.Generator().manual_seed(1)
-    T, K = 11, 4
-    ids = torch.randint(0, V, (2, T), generator=g)
-    feats = torch.randn(2, T, head.cfg.feature_size, generator=g)
+    K = 4
+    ids, feats = ids_and_features(head, 11, 1)
     with torch.no_grad():
         outs = head.ttt_forward(feats, ids, K)
         for t in (0, 2, 6):
