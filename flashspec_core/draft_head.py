@@ -275,7 +275,7 @@ class DraftHead(nn.Module):
         -> the layer's pre-norm output [B, T, H] (what the next draft step reads as its hidden state). layer: the
         midlayer (default; its products packed where `pack` packed them) or a later one."""
         B, _, T, _ = attended.shape
-        layer = layer or self.midlayer
+        layer = self.midlayer if layer is None else layer
         h = hidden + self._product("o", attended.transpose(1, 2).reshape(B, T, -1), layer.self_attn.o_proj)
         mlp, x = layer.mlp, layer.post_attention_layernorm(h)
         gate, up = self._product("gate_up", x, mlp.gate_proj, mlp.up_proj)
