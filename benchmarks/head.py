@@ -173,17 +173,16 @@ def load_heads(folders: list[Path], model, tokenizer, args) -> dict:
     taus = [float(t) for t in args.draft_temperatures.split(",") if t] or [None]
     for f, tau in ((f, tau) for f in folders for tau in taus):
         name = f.parent.name + "/" + f.name + ("" if tau is None else f"@{tau:g}")
-        if layers(f) > 1:  # drafting runs one-layer heads: teacher-forced columns only
-            if args.online_k or args.precision == "gguf":
-                raise SystemExit(f"{f}: a {layers(f)}-layer head is measured teacher-forced on the float32 path only "
-                                 "(pass --online-k '' and no --precision gguf)")
-            head = load_head(f, model.config, model.get_input_embeddings().weight)
-            head.cfg = head.cfg if tau is None else replace(head.cfg, draft_temperature=tau)
+        deep = layers(f) > 1  # drafting runs one-layer heads: a deeper one gets the teacher-forced columns only
+        if deep and (args.online_k or args.precision == "gguf"):
+            raise SystemExit(f"{f}: a {layers(f)}-layer head is measured teacher-forced on the float32 path only "
+                             "(pass --online-k= and no --precision gguf)")
+        drafter = None if deep else head_for("embedded", model, packed=gguf is not None, folder=f)
+        head = load_head(f, model.config, model.get_input_embeddings().weight) if deep else drafter.head
+        head.cfg = head.cfg if tau is None else replace(head.cfg, draft_temperature=tau)
+        if deep:
             heads[name] = (head, None)
             continue
-        drafter = head_for("embedded", model, packed=gguf is not None, folder=f)
-        head = drafter.head
-        head.cfg = head.cfg if tau is None else replace(head.cfg, draft_temperature=tau)
         drafter.sets_length = drafter.sets_length and not args.fixed_chains
         heads[name] = (head, Engine.from_models(model, [drafter], tokenizer=tokenizer, name="embedded", gguf=gguf))
         run_engine(heads[name][1], "Hello!", 8, args.seed, drafters=["draft_head"], gamma=4)  # warm-up
