@@ -468,8 +468,11 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, opt, log=pri
     next_eval, losses, profile = 0.0, [], StepProfile(cfg.profile_steps, log)
     average = WeightAverage(head, cfg.weight_average) if cfg.weight_average else None
     compile_loss(cfg.compile_loss and torch.device(device).type == "cuda")
-    while time.monotonic() - t0 < budget:
-        for idx in batches(corpus, corpus.split(heldout=False), cfg, rng):
+    while True:  # epochs until the budget's last evaluation returns (an epoch may end past the budget)
+        epoch = batches(corpus, corpus.split(heldout=False), cfg, rng)
+        if not epoch:
+            raise ValueError("the corpus has no training sequences")
+        for idx in epoch:
             elapsed = time.monotonic() - t0
             if elapsed >= next_eval or elapsed >= budget:
                 point = {"step": base_step + step, "seconds": round(elapsed, 1), "tokens_seen": tokens,
@@ -494,7 +497,6 @@ def train(head: DraftHead, model, corpus: Corpus, cfg: TrainConfig, opt, log=pri
             profile.after(step)
             tokens += int(batch[1].sum())
             step += 1
-    return curve
 
 
 # ----------------------------------------------------------------------------------------------------

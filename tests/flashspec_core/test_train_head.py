@@ -229,6 +229,26 @@ def test_the_weights_moving_average_is_evaluated_beside_them_and_kept_only_where
         replace(CFG, weight_average=1.0)
 
 
+def test_the_last_evaluation_comes_when_the_budget_runs_out_at_an_epochs_end(tiny, corpus, monkeypatch):
+    """One batch an epoch, a clock that moves 1 s a read and a 2.5 s budget: the first epoch evaluates at 1 s and
+    ends past the budget; the run still ends on its last evaluation (with the average), not silently after it."""
+    from types import SimpleNamespace
+
+    import flashspec_core.train_head as th
+
+    model, _ = tiny
+    cfg = replace(CFG, batch_tokens=1 << 20, train_minutes=2.5 / 60, weight_average=0.9)
+    assert len(batches(corpus, corpus.split(False), cfg, random.Random(0))) == 1
+    head = new_head(model, corpus, cfg, [2])
+    clock = iter(range(1_000_000))
+    monkeypatch.setattr(th, "time", SimpleNamespace(monotonic=lambda: float(next(clock))))
+    curve = train(head, model, corpus, cfg, optimizer(head, cfg), log=lambda m: None)
+    assert len(curve) == 2 and curve[-1]["seconds"] >= 2.5 and "average" in curve[-1] and "average" not in curve[0]
+    held_out = Corpus(corpus.sequences, corpus.starts, [True] * len(corpus), corpus.greedy)  # nothing to train on
+    with pytest.raises(ValueError, match="no training sequences"):
+        train(head, model, held_out, cfg, optimizer(head, cfg), log=lambda m: None)
+
+
 def test_the_loss_reads_the_answer_slots_each_pass_predicts(tiny, corpus):
     model, _ = tiny
     head = new_head(model, corpus, CFG, [2])
