@@ -406,9 +406,10 @@ def optimizer(head: DraftHead, cfg: TrainConfig, folder: Path | None = None) -> 
     """AdamW over the head's trainable weights; with the moments a checkpoint in `folder` saved (`opt-NN` shards),
     if it has them."""
     params = dict((n, p) for n, p in head.named_parameters() if p.requires_grad)
-    later = [n.startswith("later_layers.") for n in params]
-    groups = [{"params": [p for p, x in zip(params.values(), later) if x == is_later],
-               "peak": cfg.later_lr if is_later and cfg.later_lr > 0 else cfg.lr} for is_later in (False, True)]
+    later = {n for n in params if n.startswith("later_layers.")}
+    later_peak = cfg.later_lr if cfg.later_lr > 0 else cfg.lr
+    groups = [{"params": [p for n, p in params.items() if n not in later], "peak": cfg.lr},
+              {"params": [p for n, p in params.items() if n in later], "peak": later_peak}]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = load_shards(folder, "opt") if folder is not None else {}
     for name, p in params.items():
