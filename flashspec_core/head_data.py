@@ -112,6 +112,8 @@ def generate(model, tokenizer, texts: list[str], max_new: int, temperature, batc
     get []). `calls`, if given, gets one record per generate() call (per width for "slots")."""
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {CACHES}, got {cache!r}")
+    if not texts:  # e.g. a run asking for no self-written prompts (the tokenizer fails on an empty batch)
+        return []
     temps = [float(temperature)] * len(texts) if isinstance(temperature, (int, float)) else list(temperature)
     enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
     if cache == "continuous":  # not under inference mode: its worker thread updates the tensors it made here

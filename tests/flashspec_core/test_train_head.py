@@ -470,6 +470,13 @@ def test_gen_records_each_generate_call(tiny):
     assert gen.where_time_went().startswith(f"width {gen.calls[0]['width']}: 2 calls")
 
 
+@pytest.mark.parametrize("cache", ["static", "dynamic", "continuous", "slots"])
+def test_no_texts_get_no_answers_and_no_generate_call(tiny, cache):
+    gen = Gen(*tiny, 4, cache, 6)
+    assert gen.continue_texts([], 6, 1.0) == []  # --set self_prompts=0 asks for none
+    assert gen.calls == [] and gen.tokens == 0
+
+
 def test_continuous_batching_answers_as_the_batched_path_does(tiny):
     """transformers' continuous batching (a paged cache, finished rows refilled at once): greedy answers equal the
     length-batched path's token for token; sampled answers are cut at the end of turn or the cap like them."""
