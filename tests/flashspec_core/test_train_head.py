@@ -9,7 +9,7 @@ import torch
 
 from flashspec_core import Engine
 from flashspec_core.draft_head import load_head
-from flashspec_core.head_data import Corpus, Gen, chat_prefix, coverage, draft_vocabulary, load_sources
+from flashspec_core.head_data import CACHES, Corpus, Gen, chat_prefix, coverage, draft_vocabulary, load_sources
 from flashspec_core.train_head import (SoftCrossEntropy, TrainConfig, answer_rows, batches, compile_loss, corpus_for,
                                        earlier_corpora, export, load_checkpoint, load_corpus, make_corpus, merge,
                                        has_moments, lr_at, new_head, optimizer, pad, pass_loss, save_checkpoint,
@@ -470,7 +470,7 @@ def test_gen_records_each_generate_call(tiny):
     assert gen.where_time_went().startswith(f"width {gen.calls[0]['width']}: 2 calls")
 
 
-@pytest.mark.parametrize("cache", ["static", "dynamic", "continuous", "slots"])
+@pytest.mark.parametrize("cache", CACHES)
 def test_no_texts_get_no_answers_and_no_generate_call(tiny, cache):
     gen = Gen(*tiny, 4, cache, 6)
     assert gen.continue_texts([], 6, 1.0) == []  # --set self_prompts=0 asks for none
